@@ -1,0 +1,343 @@
+//! The explicit KV cache: a value that a prefill builds and experiments clone,
+//! read, edit and extend.
+//!
+//! Per layer it holds post-RoPE keys and values, `[batch, n_kv_heads, len,
+//! head_dim]`. Entries are laid out as segments: the receiver's own tokens and,
+//! for augmentation, extra attendable segments appended from another pass,
+//! which keep the RoPE of their own positions. New tokens take the next *own*
+//! position: appended segments add attendable entries but no positions.
+
+use crate::config::ModelConfig;
+use crate::error::{Result, RuntimeError};
+use candle_core::{Device, Tensor};
+
+/// Where a run of cache entries came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentKind {
+    /// Tokens this cache's own forward calls processed.
+    Own,
+    /// Entries appended from another pass (augmentation).
+    Appended,
+}
+
+/// A contiguous run of cache entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Where the run came from.
+    pub kind: SegmentKind,
+    /// Index of its first entry.
+    pub start: usize,
+    /// Number of entries.
+    pub len: usize,
+}
+
+/// Keys and values of one layer, `[batch, n_kv_heads, len, head_dim]` each.
+#[derive(Debug, Clone)]
+pub struct LayerKv {
+    /// Post-RoPE keys.
+    pub k: Tensor,
+    /// Values.
+    pub v: Tensor,
+}
+
+/// The cache of every layer, with its segment layout and next position.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<Option<LayerKv>>,
+    batch: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    next_position: usize,
+    segments: Vec<Segment>,
+    device: Device,
+}
+
+impl KvCache {
+    /// An empty cache for `batch` sequences of a model.
+    pub fn new(cfg: &ModelConfig, batch: usize, device: &Device) -> Self {
+        Self {
+            layers: vec![None; cfg.n_layers],
+            batch,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            next_position: 0,
+            segments: Vec::new(),
+            device: device.clone(),
+        }
+    }
+
+    /// Number of layers.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Number of sequences.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Number of attendable entries (own and appended).
+    pub fn len(&self) -> usize {
+        self.segments.iter().map(|s| s.len).sum()
+    }
+
+    /// Whether the cache holds no entries.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The RoPE position the next new token takes.
+    pub fn next_position(&self) -> usize {
+        self.next_position
+    }
+
+    /// The segment layout.
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    /// The device the tensors live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Keys and values of layer `l`; `None` while the cache is empty.
+    pub fn layer(&self, l: usize) -> Option<&LayerKv> {
+        self.layers.get(l).and_then(|x| x.as_ref())
+    }
+
+    /// Keys and values of layer `l`, or an error naming the layer.
+    pub fn require_layer(&self, l: usize) -> Result<&LayerKv> {
+        self.check_layer(l)?;
+        self.layer(l).ok_or_else(|| RuntimeError::BadIntervention {
+            site: format!("blocks.{l}.attn.hook_rot_k"),
+            reason: "the cache is empty at this layer".into(),
+        })
+    }
+
+    fn check_layer(&self, l: usize) -> Result<()> {
+        if l >= self.layers.len() {
+            return Err(RuntimeError::LayerOutOfRange {
+                site: format!("kv cache layer {l}"),
+                layer: l,
+                n_layers: self.layers.len(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_shape(&self, site: &str, t: &Tensor, len: usize) -> Result<()> {
+        let want = [self.batch, self.n_kv_heads, len, self.head_dim];
+        if t.dims() != want {
+            return Err(RuntimeError::BadIntervention {
+                site: site.to_string(),
+                reason: format!(
+                    "expected keys/values of shape {want:?} (batch, n_kv_heads, len, head_dim), got {:?}",
+                    t.dims()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Replaces layer `l`'s keys and values with tensors of the same shape.
+    pub fn set_layer(&mut self, l: usize, k: Tensor, v: Tensor) -> Result<()> {
+        self.check_layer(l)?;
+        let len = self.len();
+        self.check_shape(&format!("blocks.{l}.attn.hook_rot_k"), &k, len)?;
+        self.check_shape(&format!("blocks.{l}.attn.hook_v"), &v, len)?;
+        self.layers[l] = Some(LayerKv { k, v });
+        Ok(())
+    }
+
+    /// Appends newly computed own-token keys and values at layer `l` (forward use).
+    pub(crate) fn push_own(&mut self, l: usize, k: &Tensor, v: &Tensor) -> Result<LayerKv> {
+        let kv = match &self.layers[l] {
+            None => LayerKv {
+                k: k.clone(),
+                v: v.clone(),
+            },
+            Some(old) => LayerKv {
+                k: Tensor::cat(&[&old.k, k], 2)?,
+                v: Tensor::cat(&[&old.v, v], 2)?,
+            },
+        };
+        self.layers[l] = Some(kv.clone());
+        Ok(kv)
+    }
+
+    /// Records that `n` own tokens were added to every layer (forward use).
+    pub(crate) fn advance_own(&mut self, n: usize) {
+        let start = self.len();
+        match self.segments.last_mut() {
+            Some(s) if s.kind == SegmentKind::Own => s.len += n,
+            _ => self.segments.push(Segment {
+                kind: SegmentKind::Own,
+                start,
+                len: n,
+            }),
+        }
+        self.next_position += n;
+    }
+
+    /// Appends another cache's entries as an extra attendable segment in every
+    /// layer (augmentation). They keep their own RoPE; positions do not advance.
+    pub fn append_segment(&mut self, other: &KvCache) -> Result<()> {
+        if other.n_layers() != self.n_layers()
+            || other.n_kv_heads != self.n_kv_heads
+            || other.head_dim != self.head_dim
+        {
+            return Err(RuntimeError::BadIntervention {
+                site: "kv cache append".into(),
+                reason: format!(
+                    "cache shapes differ: {} layers x {} kv heads x {} head_dim against {} x {} x {}",
+                    other.n_layers(), other.n_kv_heads, other.head_dim,
+                    self.n_layers(), self.n_kv_heads, self.head_dim
+                ),
+            });
+        }
+        if other.batch != self.batch {
+            return Err(RuntimeError::BadIntervention {
+                site: "kv cache append".into(),
+                reason: format!("batch {} against {}", other.batch, self.batch),
+            });
+        }
+        if other.is_empty() {
+            return Ok(());
+        }
+        for l in 0..self.n_layers() {
+            let add = other.require_layer(l)?;
+            self.layers[l] = Some(match &self.layers[l] {
+                None => add.clone(),
+                Some(old) => LayerKv {
+                    k: Tensor::cat(&[&old.k, &add.k], 2)?,
+                    v: Tensor::cat(&[&old.v, &add.v], 2)?,
+                },
+            });
+        }
+        let start = self.len();
+        self.segments.push(Segment {
+            kind: SegmentKind::Appended,
+            start,
+            len: other.len(),
+        });
+        Ok(())
+    }
+
+    /// The first `len` entries (must end inside the first own segment or at a
+    /// segment boundary), e.g. the passage prefix of a prompt's cache.
+    pub fn truncate(&self, len: usize) -> Result<KvCache> {
+        self.narrow(0, len)
+    }
+
+    /// Entries `start..start+len` of every layer as a cache of their own.
+    /// Positions: the result's next position is where its last own entry
+    /// would continue.
+    pub fn narrow(&self, start: usize, len: usize) -> Result<KvCache> {
+        if start + len > self.len() {
+            return Err(RuntimeError::BadIntervention {
+                site: "kv cache narrow".into(),
+                reason: format!("entries {start}..{} outside a cache of {}", start + len, self.len()),
+            });
+        }
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for kv in &self.layers {
+            layers.push(match kv {
+                Some(kv) if len > 0 => Some(LayerKv {
+                    k: kv.k.narrow(2, start, len)?,
+                    v: kv.v.narrow(2, start, len)?,
+                }),
+                _ => None,
+            });
+        }
+        // Re-derive segments and positions.
+        let mut segments = Vec::new();
+        let mut own_before_end = 0;
+        let end = start + len;
+        for s in &self.segments {
+            let a = s.start.max(start);
+            let b = (s.start + s.len).min(end);
+            if s.kind == SegmentKind::Own {
+                own_before_end += s.len.min(end.saturating_sub(s.start));
+            }
+            if a < b {
+                segments.push(Segment {
+                    kind: s.kind,
+                    start: a - start,
+                    len: b - a,
+                });
+            }
+        }
+        Ok(KvCache {
+            layers,
+            batch: self.batch,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            next_position: own_before_end,
+            segments,
+            device: self.device.clone(),
+        })
+    }
+
+    /// Stacks caches of equal layout along the batch axis, so one forward serves them all.
+    pub fn stack(caches: &[&KvCache]) -> Result<KvCache> {
+        let first = caches.first().ok_or_else(|| RuntimeError::BadIntervention {
+            site: "kv cache stack".into(),
+            reason: "no caches to stack".into(),
+        })?;
+        for c in caches {
+            if c.segments != first.segments
+                || c.next_position != first.next_position
+                || c.n_layers() != first.n_layers()
+                || c.n_kv_heads != first.n_kv_heads
+                || c.head_dim != first.head_dim
+            {
+                return Err(RuntimeError::BadIntervention {
+                    site: "kv cache stack".into(),
+                    reason: "caches differ in layout (length, segments or shape)".into(),
+                });
+            }
+        }
+        let mut layers = Vec::with_capacity(first.n_layers());
+        for l in 0..first.n_layers() {
+            if first.layers[l].is_none() {
+                layers.push(None);
+                continue;
+            }
+            let ks: Vec<&Tensor> = caches.iter().map(|c| &c.layers[l].as_ref().unwrap().k).collect();
+            let vs: Vec<&Tensor> = caches.iter().map(|c| &c.layers[l].as_ref().unwrap().v).collect();
+            layers.push(Some(LayerKv {
+                k: Tensor::cat(&ks, 0)?,
+                v: Tensor::cat(&vs, 0)?,
+            }));
+        }
+        Ok(KvCache {
+            layers,
+            batch: caches.iter().map(|c| c.batch).sum(),
+            ..(*first).clone()
+        })
+    }
+
+    /// Repeats a batch-1 cache `n` times along the batch axis.
+    pub fn repeat(&self, n: usize) -> Result<KvCache> {
+        let refs: Vec<&KvCache> = std::iter::repeat_n(self, n).collect();
+        Self::stack(&refs)
+    }
+
+    /// Sequence `b` of the batch as a batch-1 cache.
+    pub fn select(&self, b: usize) -> Result<KvCache> {
+        if b >= self.batch {
+            return Err(RuntimeError::BadIntervention {
+                site: "kv cache select".into(),
+                reason: format!("sequence {b} outside a batch of {}", self.batch),
+            });
+        }
+        let mut out = self.clone();
+        out.batch = 1;
+        for kv in out.layers.iter_mut().flatten() {
+            kv.k = kv.k.narrow(0, b, 1)?;
+            kv.v = kv.v.narrow(0, b, 1)?;
+        }
+        Ok(out)
+    }
+}

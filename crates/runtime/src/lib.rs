@@ -1,0 +1,27 @@
+//! tolerable's model runtime: checkpoints (GGUF, safetensors), the tokenizer,
+//! a manual-attention forward pass with TransformerLens-named hook points, the
+//! explicit KV cache, greedy decoding, and the verification gates.
+#![warn(missing_docs)]
+
+pub mod catalog;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod gates;
+pub mod hooks;
+pub mod hub;
+pub mod kv_cache;
+pub mod model;
+pub mod reference;
+pub mod weights;
+
+pub use config::{Arch, ModelConfig, RopeStyle};
+pub use error::{Result, RuntimeError};
+pub use hooks::{Edit, HookCache, HookPoint, HookSpec, Intervention};
+pub use kv_cache::{KvCache, LayerKv, Segment, SegmentKind};
+pub use model::{ForwardOutput, Generation, GreedyOptions, Kernels, LogitsAt, Model};
+pub use weights::{Precision, Proj};
+pub mod tiny;
+pub mod tokenizer;
+pub use tokenizer::Tokenizer;
+pub use checkpoint::Checkpoint;

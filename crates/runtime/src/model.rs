@@ -1,0 +1,627 @@
+//! The manual-attention decoder: Qwen2 and Llama blocks written out, with a
+//! hook point at every named site, an explicit KV cache, mid-stack starts and
+//! logits only where they are asked for.
+//!
+//! Block l: `x = resid_pre; h = rms(x); q,k,v = h W + b; rope(q,k);
+//! scores = q kᵀ/√d (+ causal mask); p = softmax(scores); z = p v;
+//! x += z W_o; h = rms(x); x += W_down(silu(W_gate h) * W_up h)`.
+
+use crate::config::{ModelConfig, RopeStyle};
+use crate::error::{Result, RuntimeError};
+use crate::hooks::{HookCache, HookPoint, HookSpec};
+use crate::kv_cache::{KvCache, LayerKv};
+use crate::weights::{Precision, Proj, Source};
+use candle_core::{DType, Device, Tensor, D};
+use std::path::Path;
+
+/// Which tensor kernels the forward uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kernels {
+    /// candle's fused CPU kernels for RMSNorm, RoPE and softmax: fastest, but
+    /// they pass no gradient.
+    #[default]
+    Fused,
+    /// The same functions written with plain tensor ops, through which
+    /// gradients flow (for trained bridges).
+    Differentiable,
+}
+
+/// Which positions of a forward call get logits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LogitsAt {
+    /// None (a pure prefill).
+    None,
+    /// The last position only.
+    Last,
+    /// Every position of the call.
+    All,
+    /// These positions of the call.
+    Positions(Vec<usize>),
+}
+
+/// What a forward call returns beside the updated cache.
+#[derive(Debug)]
+pub struct ForwardOutput {
+    /// Logits `[batch, positions, vocab]` at the positions asked for.
+    pub logits: Option<Tensor>,
+    /// Tensors captured by the hook spec.
+    pub hooks: HookCache,
+}
+
+/// Projections of q, k and v: one fused matrix in f32, three in quantized form.
+#[derive(Debug, Clone)]
+enum Qkv {
+    Fused { w: Proj, b: Option<Tensor> },
+    Split { q: Proj, k: Proj, v: Proj, b: Option<[Tensor; 3]> },
+}
+
+/// Gate and up projections: fused in f32, split in quantized form.
+#[derive(Debug, Clone)]
+enum GateUp {
+    Fused(Proj),
+    Split(Proj, Proj),
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    attn_norm: Tensor,
+    qkv: Qkv,
+    o: Proj,
+    ffn_norm: Tensor,
+    gate_up: GateUp,
+    down: Proj,
+}
+
+/// A loaded model: configuration, weights in one precision, RoPE tables.
+#[derive(Debug, Clone)]
+pub struct Model {
+    cfg: ModelConfig,
+    precision: Precision,
+    kernels: Kernels,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    final_norm: Tensor,
+    lm_head: Proj,
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+}
+
+impl Model {
+    /// Loads a GGUF file in the given precision.
+    pub fn from_gguf(path: &Path, precision: Precision, device: &Device) -> Result<Self> {
+        let (src, cfg) = Source::open_gguf(path)?;
+        Self::load(&src, cfg, precision, device)
+    }
+
+    /// Loads a Hugging Face checkpoint directory (config.json + safetensors), in f32.
+    pub fn from_safetensors_dir(dir: &Path, device: &Device) -> Result<Self> {
+        let (src, cfg) = Source::open_safetensors(dir, device)?;
+        Self::load(&src, cfg, Precision::F32, device)
+    }
+
+    fn load(src: &Source, cfg: ModelConfig, precision: Precision, device: &Device) -> Result<Self> {
+        let d = cfg.d_model;
+        let hd = cfg.head_dim;
+        let (nq, nkv) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let embed = src.f32("token_embd.weight", &[cfg.vocab_size, d], device)?;
+        let final_norm = src.f32("output_norm.weight", &[d], device)?;
+        let lm_name = if src.has("output.weight") {
+            "output.weight"
+        } else {
+            "token_embd.weight"
+        };
+        let lm_head = src.proj(lm_name, &[cfg.vocab_size, d], precision, device)?;
+        let mut blocks = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            let bias = |s: &str, len: usize| -> Result<Option<Tensor>> {
+                if cfg.qkv_bias() {
+                    Ok(Some(src.f32(&n(s), &[len], device)?))
+                } else {
+                    Ok(None)
+                }
+            };
+            let (bq, bk, bv) = (bias("attn_q.bias", nq)?, bias("attn_k.bias", nkv)?, bias("attn_v.bias", nkv)?);
+            let qkv = match precision {
+                Precision::F32 => {
+                    let w = Tensor::cat(
+                        &[
+                            &src.f32(&n("attn_q.weight"), &[nq, d], device)?,
+                            &src.f32(&n("attn_k.weight"), &[nkv, d], device)?,
+                            &src.f32(&n("attn_v.weight"), &[nkv, d], device)?,
+                        ],
+                        0,
+                    )?;
+                    let b = match (bq, bk, bv) {
+                        (Some(a), Some(b), Some(c)) => Some(Tensor::cat(&[a, b, c], 0)?),
+                        _ => None,
+                    };
+                    Qkv::Fused { w: Proj::Dense(w), b }
+                }
+                Precision::Quantized => Qkv::Split {
+                    q: src.proj(&n("attn_q.weight"), &[nq, d], precision, device)?,
+                    k: src.proj(&n("attn_k.weight"), &[nkv, d], precision, device)?,
+                    v: src.proj(&n("attn_v.weight"), &[nkv, d], precision, device)?,
+                    b: match (bq, bk, bv) {
+                        (Some(a), Some(b), Some(c)) => Some([a, b, c]),
+                        _ => None,
+                    },
+                },
+            };
+            let gate_up = match precision {
+                Precision::F32 => GateUp::Fused(Proj::Dense(Tensor::cat(
+                    &[
+                        &src.f32(&n("ffn_gate.weight"), &[cfg.d_ffn, d], device)?,
+                        &src.f32(&n("ffn_up.weight"), &[cfg.d_ffn, d], device)?,
+                    ],
+                    0,
+                )?)),
+                Precision::Quantized => GateUp::Split(
+                    src.proj(&n("ffn_gate.weight"), &[cfg.d_ffn, d], precision, device)?,
+                    src.proj(&n("ffn_up.weight"), &[cfg.d_ffn, d], precision, device)?,
+                ),
+            };
+            blocks.push(Block {
+                attn_norm: src.f32(&n("attn_norm.weight"), &[d], device)?,
+                qkv,
+                o: src.proj(&n("attn_output.weight"), &[d, nq], precision, device)?,
+                ffn_norm: src.f32(&n("ffn_norm.weight"), &[d], device)?,
+                gate_up,
+                down: src.proj(&n("ffn_down.weight"), &[d, cfg.d_ffn], precision, device)?,
+            });
+        }
+        let (cos, sin) = rope_tables(&cfg, device)?;
+        Ok(Self {
+            cfg,
+            precision,
+            kernels: Kernels::default(),
+            embed,
+            blocks,
+            final_norm,
+            lm_head,
+            cos,
+            sin,
+            device: device.clone(),
+        })
+    }
+
+    /// The architecture.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The precision the weights are held in.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// The kernels the forward uses.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    /// Switches kernels (fused for speed, differentiable for training).
+    pub fn with_kernels(mut self, kernels: Kernels) -> Self {
+        self.kernels = kernels;
+        self
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// An empty cache for `batch` sequences.
+    pub fn new_cache(&self, batch: usize) -> KvCache {
+        KvCache::new(&self.cfg, batch, &self.device)
+    }
+
+    /// A `[batch, len]` token tensor from equal-length id lists.
+    pub fn tokens(&self, ids: &[Vec<u32>]) -> Result<Tensor> {
+        let len = ids.first().map(|v| v.len()).unwrap_or(0);
+        if ids.iter().any(|v| v.len() != len) {
+            return Err(RuntimeError::BadIntervention {
+                site: "tokens".into(),
+                reason: "sequences of a batch must have equal length".into(),
+            });
+        }
+        let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+        Ok(Tensor::from_vec(flat, (ids.len(), len), &self.device)?)
+    }
+
+    /// Runs new tokens `[batch, seq]` on top of `cache`, which grows by them.
+    pub fn forward(&self, tokens: &Tensor, cache: &mut KvCache, spec: &HookSpec, logits: LogitsAt) -> Result<ForwardOutput> {
+        let (b, s) = tokens.dims2()?;
+        self.check_call(b, s, cache, spec)?;
+        if let Some(&bad) = tokens.flatten_all()?.to_vec1::<u32>()?.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(RuntimeError::BadIntervention {
+                site: "tokens".into(),
+                reason: format!("token id {bad} outside the vocabulary of {}", self.cfg.vocab_size),
+            });
+        }
+        let mut hc = HookCache::default();
+        let x = self.embed.index_select(&tokens.flatten_all()?, 0)?.reshape((b, s, self.cfg.d_model))?;
+        let x = self.hook(spec, HookPoint::Embed, x, &mut hc)?;
+        let x = self.run_layers(0, x, None, cache, spec, &mut hc)?;
+        let logits = self.head(&x, logits, spec, &mut hc)?;
+        Ok(ForwardOutput { logits, hooks: hc })
+    }
+
+    /// Starts the forward at block `start_layer` from a supplied residual
+    /// stream `resid_pre` `[batch, seq, d_model]` (the input of that block);
+    /// blocks below are not recomputed. `lower` holds these positions' keys
+    /// and values for the blocks below `start_layer` (e.g. a narrow of the
+    /// pass that produced `resid_pre`); they are appended to `cache` as is.
+    pub fn forward_from_layer(
+        &self,
+        start_layer: usize,
+        resid_pre: &Tensor,
+        lower: &KvCache,
+        cache: &mut KvCache,
+        spec: &HookSpec,
+        logits: LogitsAt,
+    ) -> Result<ForwardOutput> {
+        let (b, s, d) = resid_pre.dims3()?;
+        if start_layer >= self.cfg.n_layers {
+            return Err(RuntimeError::LayerOutOfRange {
+                site: "forward_from_layer".into(),
+                layer: start_layer,
+                n_layers: self.cfg.n_layers,
+            });
+        }
+        if d != self.cfg.d_model {
+            return Err(RuntimeError::BadIntervention {
+                site: HookPoint::ResidPre(start_layer).to_string(),
+                reason: format!("residual width {d}, model width {}", self.cfg.d_model),
+            });
+        }
+        self.check_call(b, s, cache, spec)?;
+        if start_layer > 0 && (lower.len() != s || lower.batch() != b) {
+            return Err(RuntimeError::BadIntervention {
+                site: "forward_from_layer".into(),
+                reason: format!(
+                    "lower-layer cache has batch {} x {} entries, the residual has {b} x {s} positions",
+                    lower.batch(),
+                    lower.len()
+                ),
+            });
+        }
+        let mut hc = HookCache::default();
+        let x = self.run_layers(start_layer, resid_pre.clone(), Some(lower), cache, spec, &mut hc)?;
+        let logits = self.head(&x, logits, spec, &mut hc)?;
+        Ok(ForwardOutput { logits, hooks: hc })
+    }
+
+    fn check_call(&self, b: usize, s: usize, cache: &KvCache, spec: &HookSpec) -> Result<()> {
+        if s == 0 {
+            return Err(RuntimeError::BadIntervention {
+                site: "forward".into(),
+                reason: "no tokens to run".into(),
+            });
+        }
+        if b != cache.batch() {
+            return Err(RuntimeError::BadIntervention {
+                site: "forward".into(),
+                reason: format!("batch {b} does not match the cache's batch {}", cache.batch()),
+            });
+        }
+        if cache.n_layers() != self.cfg.n_layers {
+            return Err(RuntimeError::BadIntervention {
+                site: "forward".into(),
+                reason: format!("cache has {} layers, the model {}", cache.n_layers(), self.cfg.n_layers),
+            });
+        }
+        let need = cache.next_position() + s;
+        if need > self.cfg.context_length {
+            return Err(RuntimeError::PromptTooLong {
+                len: need,
+                max: self.cfg.context_length,
+            });
+        }
+        spec.validate(self.cfg.n_layers)
+    }
+
+    #[inline]
+    fn hook(&self, spec: &HookSpec, point: HookPoint, t: Tensor, hc: &mut HookCache) -> Result<Tensor> {
+        if spec.is_empty() {
+            Ok(t)
+        } else {
+            spec.run(point, t, hc)
+        }
+    }
+
+    fn run_layers(
+        &self,
+        start: usize,
+        mut x: Tensor,
+        lower: Option<&KvCache>,
+        cache: &mut KvCache,
+        spec: &HookSpec,
+        hc: &mut HookCache,
+    ) -> Result<Tensor> {
+        let s = x.dim(1)?;
+        let pos0 = cache.next_position();
+        let mask = if s > 1 { Some(causal_mask(s, cache.len(), &self.device)?) } else { None };
+        let cos = self.cos.narrow(0, pos0, s)?.contiguous()?;
+        let sin = self.sin.narrow(0, pos0, s)?.contiguous()?;
+        if let Some(lower) = lower {
+            for l in 0..start {
+                let kv = lower.require_layer(l)?;
+                cache.push_own(l, &kv.k, &kv.v)?;
+            }
+        }
+        for l in start..self.cfg.n_layers {
+            x = self.block(l, x, &cos, &sin, mask.as_ref(), cache, spec, hc)?;
+        }
+        cache.advance_own(s);
+        Ok(x)
+    }
+
+    fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let eps = self.cfg.rms_eps as f32;
+        Ok(match self.kernels {
+            Kernels::Fused => candle_nn::ops::rms_norm(x, w, eps)?,
+            Kernels::Differentiable => candle_nn::ops::rms_norm_slow(x, w, eps)?,
+        })
+    }
+
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        use candle_nn::rotary_emb as re;
+        Ok(match (self.kernels, self.cfg.rope_style) {
+            (Kernels::Fused, RopeStyle::Half) => re::rope(&x.contiguous()?, cos, sin)?,
+            (Kernels::Fused, RopeStyle::Interleaved) => re::rope_i(&x.contiguous()?, cos, sin)?,
+            (Kernels::Differentiable, RopeStyle::Half) => re::rope_slow(x, cos, sin)?,
+            (Kernels::Differentiable, RopeStyle::Interleaved) => re::rope_i_slow(x, cos, sin)?,
+        })
+    }
+
+    fn softmax(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self.kernels {
+            Kernels::Fused => candle_nn::ops::softmax_last_dim(x)?,
+            Kernels::Differentiable => candle_nn::ops::softmax(x, D::Minus1)?,
+        })
+    }
+
+    /// q, k, v of a normed residual `[b, s, d]`, head-major, before RoPE.
+    fn project_qkv(&self, blk: &Block, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, s, _) = h.dims3()?;
+        let hd = self.cfg.head_dim;
+        let (nh, nkv) = (self.cfg.n_heads, self.cfg.n_kv_heads);
+        let (q, k, v) = match &blk.qkv {
+            Qkv::Fused { w, b: bias } => {
+                let mut y = w.forward(h)?;
+                if let Some(bias) = bias {
+                    y = y.broadcast_add(bias)?;
+                }
+                (
+                    y.narrow(2, 0, nh * hd)?,
+                    y.narrow(2, nh * hd, nkv * hd)?,
+                    y.narrow(2, (nh + nkv) * hd, nkv * hd)?,
+                )
+            }
+            Qkv::Split { q, k, v, b: bias } => {
+                let (mut q, mut k, mut v) = (q.forward(h)?, k.forward(h)?, v.forward(h)?);
+                if let Some([bq, bk, bv]) = bias {
+                    q = q.broadcast_add(bq)?;
+                    k = k.broadcast_add(bk)?;
+                    v = v.broadcast_add(bv)?;
+                }
+                (q, k, v)
+            }
+        };
+        let heads = |t: Tensor, n: usize| -> Result<Tensor> {
+            Ok(t.reshape((b, s, n, hd))?.transpose(1, 2)?.contiguous()?)
+        };
+        Ok((heads(q, nh)?, heads(k, nkv)?, heads(v, nkv)?))
+    }
+
+    /// Keys (after RoPE) and values that block `layer` computes from its input
+    /// residual `resid_pre` `[batch, seq, d_model]` at positions
+    /// `first_position..`: the rebuild gate's recomputation.
+    pub fn rebuild_kv(&self, layer: usize, resid_pre: &Tensor, first_position: usize) -> Result<LayerKv> {
+        if layer >= self.cfg.n_layers {
+            return Err(RuntimeError::LayerOutOfRange {
+                site: "rebuild_kv".into(),
+                layer,
+                n_layers: self.cfg.n_layers,
+            });
+        }
+        let s = resid_pre.dim(1)?;
+        let blk = &self.blocks[layer];
+        let h = self.rms(resid_pre, &blk.attn_norm)?;
+        let (_q, k, v) = self.project_qkv(blk, &h)?;
+        let cos = self.cos.narrow(0, first_position, s)?.contiguous()?;
+        let sin = self.sin.narrow(0, first_position, s)?.contiguous()?;
+        Ok(LayerKv {
+            k: self.rope(&k, &cos, &sin)?,
+            v,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &self,
+        l: usize,
+        x: Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: &mut KvCache,
+        spec: &HookSpec,
+        hc: &mut HookCache,
+    ) -> Result<Tensor> {
+        use HookPoint::*;
+        let blk = &self.blocks[l];
+        let (b, s, d) = x.dims3()?;
+        let (nh, nkv, hd) = (self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim);
+        let g = nh / nkv;
+        let x = self.hook(spec, ResidPre(l), x, hc)?;
+        let h = self.rms(&x, &blk.attn_norm)?;
+        let (q, k, v) = self.project_qkv(blk, &h)?;
+        let q = self.hook(spec, Q(l), q, hc)?;
+        let k = self.hook(spec, K(l), k, hc)?;
+        let v = self.hook(spec, V(l), v, hc)?;
+        let q = self.rope(&q, cos, sin)?;
+        let k = self.rope(&k, cos, sin)?;
+        let q = self.hook(spec, RotQ(l), q, hc)?;
+        let k = self.hook(spec, RotK(l), k, hc)?;
+        let kv = cache.push_own(l, &k, &v)?;
+        let t = kv.k.dim(2)?;
+        // Grouped-query attention without repeating k/v: the G query heads of
+        // one kv head are stacked along the query axis.
+        let qg = q.reshape((b, nkv, g * s, hd))?;
+        let mut scores = (qg.matmul(&kv.k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        if let Some(mask) = mask {
+            scores = scores.reshape((b, nkv, g, s, t))?.broadcast_add(mask)?;
+        }
+        if spec.touches(AttnScores(l)) {
+            let sc = scores.reshape((b, nh, s, t))?;
+            scores = self.hook(spec, AttnScores(l), sc, hc)?;
+        }
+        let scores = scores.reshape((b, nkv, g * s, t))?;
+        let mut p = self.softmax(&scores)?;
+        if spec.touches(Pattern(l)) {
+            let pp = p.reshape((b, nh, s, t))?;
+            p = self.hook(spec, Pattern(l), pp, hc)?.reshape((b, nkv, g * s, t))?;
+        }
+        let z = p.matmul(&kv.v)?.reshape((b, nh, s, hd))?.transpose(1, 2)?;
+        let z = self.hook(spec, Z(l), z, hc)?;
+        let attn_out = blk.o.forward(&z.contiguous()?.reshape((b, s, nh * hd))?)?;
+        let attn_out = self.hook(spec, AttnOut(l), attn_out, hc)?;
+        let x = (x + attn_out)?;
+        let x = self.hook(spec, ResidMid(l), x, hc)?;
+        let h = self.rms(&x, &blk.ffn_norm)?;
+        let (gate, up) = match &blk.gate_up {
+            GateUp::Fused(w) => {
+                let y = w.forward(&h)?;
+                let f = self.cfg.d_ffn;
+                (y.narrow(2, 0, f)?, y.narrow(2, f, f)?)
+            }
+            GateUp::Split(gw, uw) => (gw.forward(&h)?, uw.forward(&h)?),
+        };
+        let gate = self.hook(spec, MlpPre(l), gate, hc)?;
+        let post = (gate.silu()? * up)?;
+        let post = self.hook(spec, MlpPost(l), post, hc)?;
+        let mlp_out = blk.down.forward(&post)?;
+        let mlp_out = self.hook(spec, MlpOut(l), mlp_out, hc)?;
+        let x = (x + mlp_out)?;
+        debug_assert_eq!(x.dims(), &[b, s, d]);
+        self.hook(spec, ResidPost(l), x, hc)
+    }
+
+    fn head(&self, x: &Tensor, at: LogitsAt, spec: &HookSpec, hc: &mut HookCache) -> Result<Option<Tensor>> {
+        let (b, s, d) = x.dims3()?;
+        let sel = match at {
+            LogitsAt::None => return Ok(None),
+            LogitsAt::Last => x.narrow(1, s - 1, 1)?,
+            LogitsAt::All => x.clone(),
+            LogitsAt::Positions(p) => {
+                if let Some(&bad) = p.iter().find(|&&i| i >= s) {
+                    return Err(RuntimeError::BadIntervention {
+                        site: "logits".into(),
+                        reason: format!("position {bad} outside a call of {s} positions"),
+                    });
+                }
+                let idx = Tensor::from_vec(p.iter().map(|&i| i as u32).collect::<Vec<_>>(), p.len(), &self.device)?;
+                x.index_select(&idx, 1)?
+            }
+        };
+        let sel = sel.contiguous()?;
+        let n = sel.dim(1)?;
+        let h = self.rms(&sel, &self.final_norm)?;
+        let h = self.hook(spec, HookPoint::FinalNorm, h, hc)?;
+        let logits = self.lm_head.forward(&h.reshape((b * n, d))?)?;
+        Ok(Some(logits.reshape((b, n, self.cfg.vocab_size))?))
+    }
+
+    /// Runs `prompt` (a batch of equal-length id lists) on top of `cache`, then
+    /// greedily decodes up to `opts.max_new_tokens` tokens per sequence.
+    pub fn generate(&self, prompt: &[Vec<u32>], cache: &mut KvCache, opts: &GreedyOptions) -> Result<Generation> {
+        let tokens = self.tokens(prompt)?;
+        let out = self.forward(&tokens, cache, &HookSpec::new(), LogitsAt::Last)?;
+        let first_logits = out.logits.expect("asked for logits").squeeze(1)?;
+        self.decode_from(&first_logits, cache, opts)
+    }
+
+    /// Greedy decoding from the logits of the last prompt position `[batch, vocab]`.
+    pub fn decode_from(&self, last_logits: &Tensor, cache: &mut KvCache, opts: &GreedyOptions) -> Result<Generation> {
+        let b = last_logits.dim(0)?;
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
+        let mut done = vec![false; b];
+        let mut logits = last_logits.clone();
+        for step in 0..opts.max_new_tokens {
+            let next: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+            for (i, &t) in next.iter().enumerate() {
+                if !done[i] {
+                    out[i].push(t);
+                    if opts.stop_tokens.contains(&t) {
+                        done[i] = true;
+                    }
+                }
+            }
+            if step + 1 == opts.max_new_tokens || done.iter().all(|&d| d) {
+                break;
+            }
+            let t = Tensor::from_vec(next, (b, 1), &self.device)?;
+            let o = self.forward(&t, cache, &HookSpec::new(), LogitsAt::Last)?;
+            logits = o.logits.expect("asked for logits").squeeze(1)?;
+        }
+        Ok(Generation {
+            tokens: out,
+            first_logits: last_logits.clone(),
+        })
+    }
+}
+
+/// Options of greedy decoding.
+#[derive(Debug, Clone)]
+pub struct GreedyOptions {
+    /// How many new tokens at most.
+    pub max_new_tokens: usize,
+    /// Tokens that end a sequence early (kept in the output); empty = never stop early.
+    pub stop_tokens: Vec<u32>,
+}
+
+impl GreedyOptions {
+    /// Exactly `n` new tokens, no early stop.
+    pub fn tokens(n: usize) -> Self {
+        Self {
+            max_new_tokens: n,
+            stop_tokens: Vec::new(),
+        }
+    }
+}
+
+/// What greedy decoding produced.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// New token ids per sequence.
+    pub tokens: Vec<Vec<u32>>,
+    /// Logits at the last prompt position `[batch, vocab]`.
+    pub first_logits: Tensor,
+}
+
+/// Additive causal mask `[s, past + s]`: new token i sees every cached entry
+/// and new tokens 0..=i.
+fn causal_mask(s: usize, past: usize, device: &Device) -> Result<Tensor> {
+    let t = past + s;
+    let data: Vec<f32> = (0..s)
+        .flat_map(|i| (0..t).map(move |j| if j <= past + i { 0.0 } else { f32::MIN }))
+        .collect();
+    Ok(Tensor::from_vec(data, (s, t), device)?)
+}
+
+fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let hd = cfg.head_dim;
+    let inv: Vec<f32> = (0..hd)
+        .step_by(2)
+        .map(|i| 1f32 / (cfg.rope_theta as f32).powf(i as f32 / hd as f32))
+        .collect();
+    let n = cfg.context_length;
+    let inv = Tensor::from_vec(inv, (1, hd / 2), device)?;
+    let pos = Tensor::arange(0u32, n as u32, device)?.to_dtype(DType::F32)?.reshape((n, 1))?;
+    let ang = pos.matmul(&inv)?;
+    Ok((ang.cos()?, ang.sin()?))
+}

@@ -1,0 +1,268 @@
+//! Reading a checkpoint's tensors: GGUF (dequantized to f32, or kept as
+//! quantized blocks for candle's QMatMul) and Hugging Face safetensors.
+
+use crate::config::ModelConfig;
+use crate::error::{Result, RuntimeError};
+use candle_core::quantized::{gguf_file, QMatMul, QTensor};
+use candle_core::{DType, Device, Tensor};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// The numeric form the weights are held in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Every weight dequantized to f32 at load: exact, deterministic,
+    /// differentiable. The precision of every measurement.
+    F32,
+    /// Matrix weights kept in their GGUF blocks and multiplied by candle's
+    /// QMatMul (activations rounded to 8 bits): faster and smaller, inference only.
+    Quantized,
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::Quantized => "quantized",
+        })
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "quantized" | "q" => Ok(Precision::Quantized),
+            _ => Err(format!("unknown precision `{s}` (f32 or quantized)")),
+        }
+    }
+}
+
+/// A matrix `[out, in]` that multiplies activations.
+#[derive(Debug, Clone)]
+pub enum Proj {
+    /// f32 weights, `[out, in]`.
+    Dense(Tensor),
+    /// Quantized blocks.
+    Quant(QMatMul),
+}
+
+impl Proj {
+    /// `x @ Wᵀ` over the last axis of `x` (any leading shape).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let last = *dims.last().unwrap();
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let x2 = x.reshape((rows, last))?;
+        let y = match self {
+            Proj::Dense(w) => x2.matmul(&w.t()?)?,
+            Proj::Quant(q) => x2.apply(q)?,
+        };
+        let mut out_dims = dims;
+        *out_dims.last_mut().unwrap() = y.dim(1)?;
+        Ok(y.reshape(out_dims)?)
+    }
+
+    /// The f32 matrix, dequantizing if needed.
+    pub fn dense(&self) -> Result<Tensor> {
+        Ok(match self {
+            Proj::Dense(w) => w.clone(),
+            Proj::Quant(QMatMul::QTensor(q)) => q.dequantize(&q.device())?,
+            Proj::Quant(QMatMul::Tensor(t)) => t.clone(),
+            Proj::Quant(QMatMul::TensorF16(t)) => t.to_dtype(DType::F32)?,
+        })
+    }
+}
+
+/// Where tensors are read from; names are GGUF names (`blk.3.attn_q.weight`).
+pub(crate) enum Source {
+    Gguf {
+        ct: gguf_file::Content,
+        file: RefCell<File>,
+        path: PathBuf,
+    },
+    Safetensors(HashMap<String, Tensor>),
+}
+
+impl Source {
+    /// Opens a GGUF file and checks that every tensor's data lies inside it.
+    pub(crate) fn open_gguf(path: &Path) -> Result<(Self, ModelConfig)> {
+        let bad = |reason: String| RuntimeError::ModelFile {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let mut file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
+        let file_len = file.metadata()?.len();
+        let ct = gguf_file::Content::read(&mut file)
+            .map_err(|e| bad(format!("not a readable GGUF file: {e}")))?;
+        let mut needed = ct.tensor_data_offset;
+        for (name, info) in ct.tensor_infos.iter() {
+            let bytes = info.shape.elem_count() / info.ggml_dtype.block_size()
+                * info.ggml_dtype.type_size();
+            let end = ct.tensor_data_offset + info.offset + bytes as u64;
+            if end > needed {
+                needed = end;
+            }
+            if end > file_len {
+                return Err(bad(format!(
+                    "truncated: tensor `{name}` ends at byte {end}, the file has {file_len} bytes"
+                )));
+            }
+        }
+        let cfg = ModelConfig::from_gguf(&ct).map_err(|e| match e {
+            RuntimeError::ModelFile { reason, .. } => bad(reason),
+            other => other,
+        })?;
+        Ok((
+            Source::Gguf {
+                ct,
+                file: RefCell::new(file),
+                path: path.to_path_buf(),
+            },
+            cfg,
+        ))
+    }
+
+    /// Opens a Hugging Face checkpoint directory (config.json + *.safetensors).
+    pub(crate) fn open_safetensors(dir: &Path, device: &Device) -> Result<(Self, ModelConfig)> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| RuntimeError::ModelFile {
+            path: cfg_path.clone(),
+            reason: e.to_string(),
+        })?;
+        let cfg = ModelConfig::from_hf_json(&text)?;
+        let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        shards.sort();
+        if shards.is_empty() {
+            return Err(RuntimeError::ModelFile {
+                path: dir.to_path_buf(),
+                reason: "no *.safetensors shards".into(),
+            });
+        }
+        let mut map = HashMap::new();
+        for s in shards {
+            let t = candle_core::safetensors::load(&s, device).map_err(|e| RuntimeError::ModelFile {
+                path: s.clone(),
+                reason: e.to_string(),
+            })?;
+            map.extend(t);
+        }
+        Ok((Source::Safetensors(map), cfg))
+    }
+
+    fn hf_name(name: &str) -> String {
+        hf_name(name)
+    }
+
+    pub(crate) fn has(&self, name: &str) -> bool {
+        match self {
+            Source::Gguf { ct, .. } => ct.tensor_infos.contains_key(name),
+            Source::Safetensors(m) => m.contains_key(&Self::hf_name(name)),
+        }
+    }
+
+    fn missing(name: &str) -> RuntimeError {
+        RuntimeError::Tensor {
+            name: name.to_string(),
+            reason: "absent from the model file".into(),
+        }
+    }
+
+    fn qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
+        match self {
+            Source::Gguf { ct, file, path } => {
+                if !ct.tensor_infos.contains_key(name) {
+                    return Err(Self::missing(name));
+                }
+                let mut f = file.borrow_mut();
+                ct.tensor(&mut *f, name, device).map_err(|e| RuntimeError::ModelFile {
+                    path: path.clone(),
+                    reason: format!("reading `{name}`: {e}"),
+                })
+            }
+            Source::Safetensors(_) => Err(RuntimeError::Tensor {
+                name: name.into(),
+                reason: "quantized weights need a GGUF file".into(),
+            }),
+        }
+    }
+
+    /// A tensor as f32, with the expected shape checked.
+    pub(crate) fn f32(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
+        let t = match self {
+            Source::Gguf { .. } => self.qtensor(name, device)?.dequantize(device)?,
+            Source::Safetensors(m) => m
+                .get(&Self::hf_name(name))
+                .ok_or_else(|| Self::missing(name))?
+                .to_dtype(DType::F32)?,
+        };
+        if t.dims() != shape {
+            return Err(RuntimeError::Tensor {
+                name: name.into(),
+                reason: format!("expected shape {shape:?}, found {:?}", t.dims()),
+            });
+        }
+        Ok(t)
+    }
+
+    /// A matrix in the requested precision.
+    pub(crate) fn proj(&self, name: &str, shape: &[usize], precision: Precision, device: &Device) -> Result<Proj> {
+        match precision {
+            Precision::F32 => Ok(Proj::Dense(self.f32(name, shape, device)?)),
+            Precision::Quantized => {
+                let q = self.qtensor(name, device)?;
+                if q.shape().dims() != shape {
+                    return Err(RuntimeError::Tensor {
+                        name: name.into(),
+                        reason: format!("expected shape {shape:?}, found {:?}", q.shape().dims()),
+                    });
+                }
+                // Built directly (not via `from_qtensor`) so that the
+                // CANDLE_DEQUANTIZE_ALL variable, which the parity reference
+                // uses, never turns our quantized path into f32.
+                use candle_core::quantized::GgmlDType;
+                Ok(Proj::Quant(match q.dtype() {
+                    GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                        QMatMul::Tensor(q.dequantize(device)?)
+                    }
+                    _ => QMatMul::QTensor(std::sync::Arc::new(q)),
+                }))
+            }
+        }
+    }
+}
+
+/// The Hugging Face name of a GGUF tensor name (`blk.3.attn_q.weight` →
+/// `model.layers.3.self_attn.q_proj.weight`).
+pub fn hf_name(name: &str) -> String {
+    if let Some(rest) = name.strip_prefix("blk.") {
+        let (l, t) = rest.split_once('.').unwrap_or((rest, ""));
+        let (base, kind) = t.rsplit_once('.').unwrap_or((t, "weight"));
+        let hf = match base {
+            "attn_norm" => "input_layernorm",
+            "ffn_norm" => "post_attention_layernorm",
+            "attn_q" => "self_attn.q_proj",
+            "attn_k" => "self_attn.k_proj",
+            "attn_v" => "self_attn.v_proj",
+            "attn_output" => "self_attn.o_proj",
+            "ffn_gate" => "mlp.gate_proj",
+            "ffn_up" => "mlp.up_proj",
+            "ffn_down" => "mlp.down_proj",
+            other => other,
+        };
+        return format!("model.layers.{l}.{hf}.{kind}");
+    }
+    match name {
+        "token_embd.weight" => "model.embed_tokens.weight".into(),
+        "output_norm.weight" => "model.norm.weight".into(),
+        "output.weight" => "lm_head.weight".into(),
+        other => other.into(),
+    }
+}

@@ -1,0 +1,123 @@
+//! `cargo xtask bench`: prefill and decode speed of our forward against
+//! candle-transformers' model of the same file, measured in the same run.
+
+use anyhow::Result;
+use std::time::Instant;
+use tolerable_runtime::reference::Reference;
+use tolerable_runtime::{Checkpoint, HookPoint, HookSpec, LogitsAt, Model, Precision};
+
+/// Peak resident set size of this process, in MiB (Linux).
+fn peak_rss_mib() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Median wall time of `reps` runs of `f`, after one warm-up run.
+fn median_secs(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// A prompt of exactly `n` tokens cut from repeated prose.
+fn prompt_ids(ck: &Checkpoint, n: usize) -> Result<Vec<u32>> {
+    let text = crate::prompts::SQUAD_PROMPT.repeat(n / 60 + 2);
+    let ids = ck.tokenizer.encode(&text)?;
+    Ok(ids[..n].to_vec())
+}
+
+fn prefill(m: &Model, ids: &[u32], spec: &HookSpec) -> Result<()> {
+    let mut c = m.new_cache(1);
+    m.forward(&m.tokens(&[ids.to_vec()])?, &mut c, spec, LogitsAt::Last)?;
+    Ok(())
+}
+
+/// Decode tokens/s at `batch`: a 32-token prompt per sequence, then `steps` greedy steps timed.
+fn decode_tps(m: &Model, ids: &[u32], batch: usize, steps: usize) -> Result<f64> {
+    let prompt: Vec<Vec<u32>> = (0..batch).map(|_| ids[..32].to_vec()).collect();
+    let mut c = m.new_cache(batch);
+    let out = m.forward(&m.tokens(&prompt)?, &mut c, &HookSpec::new(), LogitsAt::Last)?;
+    let last = out.logits.expect("logits").squeeze(1)?;
+    let opts = tolerable_runtime::GreedyOptions::tokens(steps + 1);
+    let s = Instant::now();
+    m.decode_from(&last, &mut c, &opts)?;
+    Ok((batch * steps) as f64 / s.elapsed().as_secs_f64())
+}
+
+pub fn run(model: &str, json: bool, n: usize, reps: usize) -> Result<()> {
+    let dev = candle_core::Device::Cpu;
+    let threads = candle_core::utils::get_num_threads();
+    eprintln!("bench: {model}, {n}-token prompt, {reps} reps (median), {threads} threads");
+    let ck = Checkpoint::load(model, Precision::F32, &dev)?;
+    let m = &ck.model;
+    let ids = prompt_ids(&ck, n)?;
+    let layers = m.config().n_layers;
+    let capture_all = HookSpec::new().capture_all(
+        (0..layers).flat_map(|l| [HookPoint::RotK(l), HookPoint::V(l), HookPoint::ResidPre(l)]),
+    );
+
+    let ours_f32 = median_secs(reps, || prefill(m, &ids, &HookSpec::new()))?;
+    eprintln!("  ours f32 prefill, hooks off: {ours_f32:.3} s ({:.1} tok/s)", n as f64 / ours_f32);
+    let ours_cap = median_secs(reps, || prefill(m, &ids, &capture_all))?;
+    eprintln!("  ours f32 prefill, capture K,V,resid all layers: {ours_cap:.3} s");
+    let mut reference = Reference::load(&ck.path, Precision::F32, &dev)?;
+    let cand_f32 = median_secs(reps, || {
+        reference.last_logits(&ids)?;
+        Ok(())
+    })?;
+    drop(reference);
+    eprintln!("  candle-transformers f32 prefill: {cand_f32:.3} s ({:.1} tok/s)", n as f64 / cand_f32);
+    let dec1 = decode_tps(m, &ids, 1, 16)?;
+    let dec16 = decode_tps(m, &ids, 16, 16)?;
+    eprintln!("  ours f32 decode: batch 1 {dec1:.2} tok/s, batch 16 {dec16:.2} tok/s");
+
+    let q = Checkpoint::load_gguf(&ck.id, &ck.path, None, Precision::Quantized, &dev)?;
+    let ours_q = median_secs(reps, || prefill(&q.model, &ids, &HookSpec::new()))?;
+    let ours_q_cap = median_secs(reps, || prefill(&q.model, &ids, &capture_all))?;
+    let mut reference_q = Reference::load(&ck.path, Precision::Quantized, &dev)?;
+    let cand_q = median_secs(reps, || {
+        reference_q.last_logits(&ids)?;
+        Ok(())
+    })?;
+    drop(reference_q);
+    eprintln!("  quantized prefill: ours {ours_q:.3} s, capture-all {ours_q_cap:.3} s, candle-transformers {cand_q:.3} s");
+    let dec1_q = decode_tps(&q.model, &ids, 1, 16)?;
+    eprintln!("  quantized decode batch 1: {dec1_q:.2} tok/s");
+
+    let figures = serde_json::json!({
+        "model": model,
+        "threads": threads,
+        "prompt_tokens": n,
+        "reps": reps,
+        "prefill_s": {
+            "ours_f32": ours_f32,
+            "ours_f32_capture_all": ours_cap,
+            "candle_f32": cand_f32,
+            "ours_quantized": ours_q,
+            "ours_quantized_capture_all": ours_q_cap,
+            "candle_quantized": cand_q,
+        },
+        "prefill_tok_per_s_ours_f32": n as f64 / ours_f32,
+        "decode_tok_per_s": { "f32_batch1": dec1, "f32_batch16": dec16, "quantized_batch1": dec1_q },
+        "hooks_off_vs_candle": ours_f32 / cand_f32,
+        "hooks_off_vs_candle_quantized": ours_q / cand_q,
+        "capture_all_vs_hooks_off": ours_cap / ours_f32,
+        "capture_all_vs_hooks_off_quantized": ours_q_cap / ours_q,
+        "decode_batch16_speedup": dec16 / dec1,
+        "peak_rss_mib": peak_rss_mib(),
+    });
+    if json {
+        println!("{figures}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&figures)?);
+    }
+    Ok(())
+}

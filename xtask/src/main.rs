@@ -1,0 +1,134 @@
+//! `cargo xtask`: the project's command line.
+//!
+//! - `fetch-model <id>`: download, assemble, verify and cache a model.
+//! - `generate --model <id> --prompt-file F --tokens N [--json] [--chat]`.
+//! - `gates --model <id>`: run the parity, rebuild and identity gates.
+//! - `bench [--model <id>] [--json]`: speed figures as ratios against candle-transformers.
+
+mod bench;
+mod prompts;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use tolerable_runtime::{catalog, hub, Checkpoint, GreedyOptions, Precision};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "tolerable's tasks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Fetch a model into the cache (outside the repo) and print its path.
+    FetchModel {
+        /// A catalog id (qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct,
+        /// smollm2-135m-instruct) or hf:<org>/<repo>.
+        id: String,
+    },
+    /// Greedy continuation of a prompt.
+    Generate {
+        /// Model id or path.
+        #[arg(long, default_value = "qwen2.5-coder-0.5b-instruct")]
+        model: String,
+        /// File holding the prompt text.
+        #[arg(long)]
+        prompt_file: PathBuf,
+        /// New tokens.
+        #[arg(long, default_value_t = 8)]
+        tokens: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Wrap the prompt in the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        /// f32 or quantized.
+        #[arg(long, default_value = "f32")]
+        precision: Precision,
+    },
+    /// Run the runtime's verification gates on a model and print their reports.
+    Gates {
+        /// Model id or path.
+        #[arg(long, default_value = "qwen2.5-coder-0.5b-instruct")]
+        model: String,
+        /// Also compare the quantized path with candle-transformers' quantized model.
+        #[arg(long)]
+        quantized: bool,
+    },
+    /// Speed figures, as ratios against candle-transformers in the same run.
+    Bench {
+        /// Model id or path.
+        #[arg(long, default_value = "qwen2.5-coder-0.5b-instruct")]
+        model: String,
+        /// Print the figures as one JSON object on the last line.
+        #[arg(long)]
+        json: bool,
+        /// Prompt length in tokens for the prefill figures.
+        #[arg(long, default_value_t = 300)]
+        prompt_tokens: usize,
+        /// Timed repetitions (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let dev = candle_core::Device::Cpu;
+    match cli.cmd {
+        Cmd::FetchModel { id } => {
+            let path = if let Some(repo) = id.strip_prefix("hf:") {
+                hub::fetch(repo, &hub::hub_cache_dir())?.dir().to_path_buf()
+            } else {
+                catalog::fetch(&id, &catalog::cache_root())?
+            };
+            println!("{}", path.display());
+        }
+        Cmd::Generate { model, prompt_file, tokens, json, chat, precision } => {
+            let text = std::fs::read_to_string(&prompt_file)
+                .with_context(|| format!("reading prompt file {}", prompt_file.display()))?;
+            let ck = Checkpoint::load(&model, precision, &dev)?;
+            let prompt = if chat { ck.tokenizer.apply_chat_template(&text)? } else { text };
+            let ids = ck.tokenizer.encode(&prompt)?;
+            let mut cache = ck.model.new_cache(1);
+            let g = ck.model.generate(&[ids.clone()], &mut cache, &GreedyOptions::tokens(tokens))?;
+            let cont = ck.tokenizer.decode(&g.tokens[0])?;
+            if json {
+                let row = g.first_logits.squeeze(0)?.to_vec1::<f32>()?;
+                let mut idx: Vec<usize> = (0..row.len()).collect();
+                idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+                let top5: Vec<(usize, f32)> = idx.iter().take(5).map(|&i| (i, row[i])).collect();
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "model": model,
+                        "precision": precision.to_string(),
+                        "prompt_ids": ids,
+                        "continuation_ids": g.tokens[0],
+                        "continuation": cont,
+                        "top5": top5,
+                    })
+                );
+            } else {
+                println!("{cont}");
+            }
+        }
+        Cmd::Gates { model, quantized } => {
+            let ck = Checkpoint::load(&model, Precision::F32, &dev)?;
+            let report = prompts::run_gates(&ck, quantized)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            if !report["passed"].as_bool().unwrap_or(false) {
+                anyhow::bail!("a gate failed on {model}");
+            }
+        }
+        Cmd::Bench { model, json, prompt_tokens, reps } => bench::run(&model, json, prompt_tokens, reps)?,
+    }
+    Ok(())
+}
