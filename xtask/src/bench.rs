@@ -29,7 +29,7 @@ fn median_secs(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 
 /// A prompt of exactly `n` tokens cut from repeated prose.
 fn prompt_ids(ck: &Checkpoint, n: usize) -> Result<Vec<u32>> {
-    let text = crate::prompts::SQUAD_PROMPT.repeat(n / 60 + 2);
+    let text = tolerable_runtime::gates::SQUAD_PROMPT.repeat(n / 60 + 2);
     let ids = ck.tokenizer.encode(&text)?;
     Ok(ids[..n].to_vec())
 }

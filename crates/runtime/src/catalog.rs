@@ -228,6 +228,11 @@ pub fn fetch(id: &str, root: &Path) -> Result<PathBuf> {
         }
     }
     tmp.as_file().sync_all()?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        tmp.as_file().set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    }
     let actual = hex(&hasher.finalize());
     if written != spec.size {
         return Err(fail(format!("assembled {written} bytes, expected {}", spec.size)));

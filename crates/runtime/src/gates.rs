@@ -11,6 +11,22 @@ use crate::reference::Reference;
 use crate::weights::Precision;
 use serde::Serialize;
 
+/// The SQuAD-style prompt whose greedy continuation an independent reference
+/// (llama.cpp and transformers on the same GGUF) gives as
+/// " Denver Broncos\nTo answer this question,".
+pub const SQUAD_PROMPT: &str = "Context: Super Bowl 50 was an American football game to determine the champion of the National Football League (NFL) for the 2015 season. The American Football Conference (AFC) champion Denver Broncos defeated the National Football Conference (NFC) champion Carolina Panthers 24\u{2013}10 to earn their third Super Bowl title.\nQuestion: Which NFL team represented the AFC at Super Bowl 50?\nAnswer:";
+
+/// Five parity prompts: SQuAD-style, code, chat-formatted, Unicode, plain prose.
+pub fn parity_prompts() -> Vec<String> {
+    vec![
+        SQUAD_PROMPT.to_string(),
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n".to_string(),
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n".to_string(),
+        "Le café de la gare, près de Zürich — 東京から来た友達と話した。".to_string(),
+        "The quick brown fox jumps over the lazy dog. The dog".to_string(),
+    ]
+}
+
 /// Tolerance of the f32 parity gate: max |logit difference| at any position.
 pub const PARITY_F32_TOL: f32 = 1e-3;
 /// Tolerance of the rebuild gate: max |K or V deviation|.
