@@ -257,3 +257,18 @@ impl Tokenizer {
         self.inner.save(path, false).map_err(tok_err)
     }
 }
+
+impl Tokenizer {
+    /// Reads only the tokenizer of a GGUF file (no weights).
+    pub fn from_gguf_file(path: &Path) -> Result<Self> {
+        let mut f = std::fs::File::open(path).map_err(|e| crate::RuntimeError::ModelFile {
+            path: path.into(),
+            reason: format!("cannot open: {e}"),
+        })?;
+        let ct = gguf_file::Content::read(&mut f).map_err(|e| crate::RuntimeError::ModelFile {
+            path: path.into(),
+            reason: format!("not a readable GGUF file: {e}"),
+        })?;
+        Self::from_gguf(&ct)
+    }
+}
