@@ -14,17 +14,26 @@ fn peak_rss_mib() -> Option<f64> {
     Some(kb / 1024.0)
 }
 
-/// Median wall time of `reps` runs of `f`, after one warm-up run.
-fn median_secs(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    let mut t = Vec::with_capacity(reps);
-    for _ in 0..reps.max(1) {
-        let s = Instant::now();
-        f()?;
-        t.push(s.elapsed().as_secs_f64());
-    }
+fn median(mut t: Vec<f64>) -> f64 {
     t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
+    t[t.len() / 2]
+}
+
+/// Median wall times of several contenders, run interleaved (A B C A B C
+/// ...) after one warm-up each, so that drifting machine load hits all alike.
+fn interleaved(reps: usize, fs: &mut [&mut dyn FnMut() -> Result<()>]) -> Result<Vec<f64>> {
+    let mut times = vec![Vec::with_capacity(reps); fs.len()];
+    for f in fs.iter_mut() {
+        f()?;
+    }
+    for _ in 0..reps.max(1) {
+        for (i, f) in fs.iter_mut().enumerate() {
+            let s = Instant::now();
+            f()?;
+            times[i].push(s.elapsed().as_secs_f64());
+        }
+    }
+    Ok(times.into_iter().map(median).collect())
 }
 
 /// A prompt of exactly `n` tokens cut from repeated prose.
@@ -52,7 +61,7 @@ fn decode_tps(m: &Model, ids: &[u32], batch: usize, steps: usize) -> Result<f64>
     Ok((batch * steps) as f64 / s.elapsed().as_secs_f64())
 }
 
-pub fn run(model: &str, json: bool, n: usize, reps: usize) -> Result<()> {
+pub fn run(model: &str, json: bool, n: usize, reps: usize, skip_quantized: bool) -> Result<()> {
     let dev = candle_core::Device::Cpu;
     let threads = candle_core::utils::get_num_threads();
     eprintln!("bench: {model}, {n}-token prompt, {reps} reps (median), {threads} threads");
@@ -64,60 +73,72 @@ pub fn run(model: &str, json: bool, n: usize, reps: usize) -> Result<()> {
         (0..layers).flat_map(|l| [HookPoint::RotK(l), HookPoint::V(l), HookPoint::ResidPre(l)]),
     );
 
-    let ours_f32 = median_secs(reps, || prefill(m, &ids, &HookSpec::new()))?;
-    eprintln!("  ours f32 prefill, hooks off: {ours_f32:.3} s ({:.1} tok/s)", n as f64 / ours_f32);
-    let ours_cap = median_secs(reps, || prefill(m, &ids, &capture_all))?;
-    eprintln!("  ours f32 prefill, capture K,V,resid all layers: {ours_cap:.3} s");
     let mut reference = Reference::load(&ck.path, Precision::F32, &dev)?;
-    let cand_f32 = median_secs(reps, || {
-        reference.last_logits(&ids)?;
-        Ok(())
-    })?;
+    let t = interleaved(
+        reps,
+        &mut [
+            &mut || prefill(m, &ids, &HookSpec::new()),
+            &mut || prefill(m, &ids, &capture_all),
+            &mut || reference.last_logits(&ids).map(|_| ()).map_err(Into::into),
+        ],
+    )?;
     drop(reference);
+    let (ours_f32, ours_cap, cand_f32) = (t[0], t[1], t[2]);
+    eprintln!("  ours f32 prefill, hooks off: {ours_f32:.3} s ({:.1} tok/s)", n as f64 / ours_f32);
+    eprintln!("  ours f32 prefill, capture K,V,resid all layers: {ours_cap:.3} s");
     eprintln!("  candle-transformers f32 prefill: {cand_f32:.3} s ({:.1} tok/s)", n as f64 / cand_f32);
     let dec1 = decode_tps(m, &ids, 1, 16)?;
     let dec16 = decode_tps(m, &ids, 16, 16)?;
     eprintln!("  ours f32 decode: batch 1 {dec1:.2} tok/s, batch 16 {dec16:.2} tok/s");
 
-    let q = Checkpoint::load_gguf(&ck.id, &ck.path, None, Precision::Quantized, &dev)?;
-    let ours_q = median_secs(reps, || prefill(&q.model, &ids, &HookSpec::new()))?;
-    let ours_q_cap = median_secs(reps, || prefill(&q.model, &ids, &capture_all))?;
-    let mut reference_q = Reference::load(&ck.path, Precision::Quantized, &dev)?;
-    let cand_q = median_secs(reps, || {
-        reference_q.last_logits(&ids)?;
-        Ok(())
-    })?;
-    drop(reference_q);
-    eprintln!("  quantized prefill: ours {ours_q:.3} s, capture-all {ours_q_cap:.3} s, candle-transformers {cand_q:.3} s");
-    let dec1_q = decode_tps(&q.model, &ids, 1, 16)?;
-    eprintln!("  quantized decode batch 1: {dec1_q:.2} tok/s");
-
-    let figures = serde_json::json!({
+    let mut figures = serde_json::json!({
         "model": model,
         "threads": threads,
         "prompt_tokens": n,
         "reps": reps,
-        "prefill_s": {
-            "ours_f32": ours_f32,
-            "ours_f32_capture_all": ours_cap,
-            "candle_f32": cand_f32,
-            "ours_quantized": ours_q,
-            "ours_quantized_capture_all": ours_q_cap,
-            "candle_quantized": cand_q,
-        },
+        "prefill_s": { "ours_f32": ours_f32, "ours_f32_capture_all": ours_cap, "candle_f32": cand_f32 },
         "prefill_tok_per_s_ours_f32": n as f64 / ours_f32,
-        "decode_tok_per_s": { "f32_batch1": dec1, "f32_batch16": dec16, "quantized_batch1": dec1_q },
+        "decode_tok_per_s": { "f32_batch1": dec1, "f32_batch16": dec16 },
         "hooks_off_vs_candle": ours_f32 / cand_f32,
-        "hooks_off_vs_candle_quantized": ours_q / cand_q,
         "capture_all_vs_hooks_off": ours_cap / ours_f32,
-        "capture_all_vs_hooks_off_quantized": ours_q_cap / ours_q,
         "decode_batch16_speedup": dec16 / dec1,
-        "peak_rss_mib": peak_rss_mib(),
     });
+    if !skip_quantized {
+        quantized(&ck, &ids, reps, &capture_all, &mut figures)?;
+    }
+    figures["peak_rss_mib"] = peak_rss_mib().into();
     if json {
         println!("{figures}");
     } else {
         println!("{}", serde_json::to_string_pretty(&figures)?);
     }
+    Ok(())
+}
+
+/// The quantized figures: our QMatMul path against candle-transformers' quantized model.
+fn quantized(ck: &Checkpoint, ids: &[u32], reps: usize, capture_all: &HookSpec, figures: &mut serde_json::Value) -> Result<()> {
+    let dev = candle_core::Device::Cpu;
+    let q = Checkpoint::load_gguf(&ck.id, &ck.path, None, Precision::Quantized, &dev)?;
+    let mut reference_q = Reference::load(&ck.path, Precision::Quantized, &dev)?;
+    let t = interleaved(
+        reps,
+        &mut [
+            &mut || prefill(&q.model, ids, &HookSpec::new()),
+            &mut || prefill(&q.model, ids, capture_all),
+            &mut || reference_q.last_logits(ids).map(|_| ()).map_err(Into::into),
+        ],
+    )?;
+    drop(reference_q);
+    let (ours_q, ours_q_cap, cand_q) = (t[0], t[1], t[2]);
+    eprintln!("  quantized prefill: ours {ours_q:.3} s, capture-all {ours_q_cap:.3} s, candle-transformers {cand_q:.3} s");
+    let dec1_q = decode_tps(&q.model, ids, 1, 16)?;
+    eprintln!("  quantized decode batch 1: {dec1_q:.2} tok/s");
+
+    figures["prefill_s"]["ours_quantized"] = ours_q.into();
+    figures["prefill_s"]["ours_quantized_capture_all"] = ours_q_cap.into();
+    figures["prefill_s"]["candle_quantized"] = cand_q.into();
+    figures["decode_tok_per_s"]["quantized_batch1"] = dec1_q.into();
+    figures["hooks_off_vs_candle_quantized"] = (ours_q / cand_q).into();
+    figures["capture_all_vs_hooks_off_quantized"] = (ours_q_cap / ours_q).into();
     Ok(())
 }

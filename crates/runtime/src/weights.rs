@@ -42,6 +42,9 @@ impl std::str::FromStr for Precision {
     }
 }
 
+/// Up to this many rows, a dense projection multiplies as (W xᵀ)ᵀ.
+const SMALL_BATCH_ROWS: usize = 32;
+
 /// A matrix `[out, in]` that multiplies activations.
 #[derive(Debug, Clone)]
 pub enum Proj {
@@ -59,6 +62,11 @@ impl Proj {
         let rows: usize = dims[..dims.len() - 1].iter().product();
         let x2 = x.reshape((rows, last))?;
         let y = match self {
+            // Few rows (decoding a batch): (W xᵀ)ᵀ keeps gemm on its long
+            // axis, 20-45% faster than x Wᵀ at 16 rows on this machine.
+            Proj::Dense(w) if (2..=SMALL_BATCH_ROWS).contains(&rows) => {
+                w.matmul(&x2.t()?)?.t()?.contiguous()?
+            }
             Proj::Dense(w) => x2.matmul(&w.t()?)?,
             Proj::Quant(q) => x2.apply(q)?,
         };

@@ -1,0 +1,145 @@
+//! `cargo xtask anchors`: the first measurement of the split-context probe —
+//! floor (receiver reads the answer-masked passage) and native reference
+//! (receiver reads the full passage) on n SQuAD dev items, with binomial SE.
+//! The sweep machinery of the driver supersedes this for experiments.
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::path::PathBuf;
+use tolerable_probe::sample::sample;
+use tolerable_probe::score::{conditional, score};
+use tolerable_probe::{squad, synthetic, SplitOptions, Template};
+use tolerable_runtime::{Checkpoint, GreedyOptions, Precision};
+use tolerable_stats::{difference, Proportion};
+
+/// Options of the anchors command.
+pub struct AnchorArgs {
+    pub model: String,
+    pub n: usize,
+    pub seed: u64,
+    pub template: Template,
+    pub squad: Option<PathBuf>,
+    pub synthetic: bool,
+    pub max_prompt_tokens: usize,
+    pub new_tokens: usize,
+    pub out: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Row {
+    item_id: String,
+    prompt_tokens: usize,
+    fact_tokens: usize,
+    floor: String,
+    native: String,
+    floor_correct: bool,
+    native_correct: bool,
+    floor_span_copy: bool,
+    native_span_copy: bool,
+}
+
+#[derive(Serialize)]
+struct Anchor {
+    accuracy: f64,
+    se: f64,
+    ci95: [f64; 2],
+    correct: usize,
+    n: usize,
+    span_copy_rate: f64,
+}
+
+fn anchor(outcomes: &[bool], copies: &[bool]) -> Result<Anchor> {
+    let p = Proportion::from_outcomes(outcomes)?;
+    let ci = p.normal_ci95();
+    Ok(Anchor {
+        accuracy: p.p(),
+        se: p.se(),
+        ci95: [ci.lo, ci.hi],
+        correct: p.successes,
+        n: p.n,
+        span_copy_rate: copies.iter().filter(|&&c| c).count() as f64 / copies.len() as f64,
+    })
+}
+
+pub fn run(a: AnchorArgs) -> Result<()> {
+    let dev = candle_core::Device::Cpu;
+    let ck = Checkpoint::load(&a.model, Precision::F32, &dev)?;
+    let (items, source) = if a.synthetic {
+        (synthetic::generate(a.n.max(1) * 2, a.seed), format!("synthetic(seed={})", a.seed))
+    } else {
+        let path = squad::resolve_path(a.squad.as_deref(), squad::Split::Dev)?;
+        (squad::load(&path)?, path.display().to_string())
+    };
+    let opts = SplitOptions {
+        template: a.template.clone(),
+        max_prompt_tokens: a.max_prompt_tokens,
+        ..SplitOptions::default()
+    };
+    let s = sample(&items, &ck.tokenizer, &opts, a.n, a.seed)?;
+    tracing::info!("{} items from {source} (seed {}, {} considered, dropped {:?})", s.items.len(), a.seed, s.considered, s.dropped);
+    let bar = ProgressBar::new(s.items.len() as u64);
+    bar.set_style(ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} {per_sec} eta {eta}").unwrap());
+    bar.set_prefix(format!("anchors {} {}", a.model, a.template.name()));
+    let m = &ck.model;
+    let gen = GreedyOptions::tokens(a.new_tokens);
+    let mut rows = Vec::with_capacity(s.items.len());
+    for it in &s.items {
+        // Masked and full prompts have equal length: one batch of two.
+        let mut cache = m.new_cache(2);
+        let g = m.generate(&[it.masked_prompt(), it.full_prompt()], &mut cache, &gen)?;
+        let floor = ck.tokenizer.decode(&g.tokens[0])?;
+        let native = ck.tokenizer.decode(&g.tokens[1])?;
+        let passage = &it.item.context;
+        let (sf, sn) = (score(&floor, &it.item.answers, passage), score(&native, &it.item.answers, passage));
+        rows.push(Row {
+            item_id: it.item.id.clone(),
+            prompt_tokens: it.full_prompt().len(),
+            fact_tokens: it.fact_region.len(),
+            floor,
+            native,
+            floor_correct: sf.correct,
+            native_correct: sn.correct,
+            floor_span_copy: sf.span_copy,
+            native_span_copy: sn.span_copy,
+        });
+        bar.inc(1);
+    }
+    bar.finish();
+    let fc: Vec<bool> = rows.iter().map(|r| r.floor_correct).collect();
+    let nc: Vec<bool> = rows.iter().map(|r| r.native_correct).collect();
+    let floor = anchor(&fc, &rows.iter().map(|r| r.floor_span_copy).collect::<Vec<_>>())?;
+    let native = anchor(&nc, &rows.iter().map(|r| r.native_span_copy).collect::<Vec<_>>())?;
+    let d = difference(Proportion::from_outcomes(&nc)?, Proportion::from_outcomes(&fc)?);
+    let cond = conditional(&fc, &nc).map(|(h, e)| serde_json::json!({"correct": h, "n": e, "accuracy": h as f64 / e as f64}));
+    let summary = serde_json::json!({
+        "model": a.model,
+        "sha256": ck.sha256,
+        "precision": "f32",
+        "template": a.template,
+        "data": source,
+        "n": rows.len(),
+        "seed": a.seed,
+        "new_tokens": a.new_tokens,
+        "max_prompt_tokens": a.max_prompt_tokens,
+        "dropped": s.dropped,
+        "floor": floor,
+        "native": native,
+        "native_minus_floor": d,
+        "floor_conditional_on_native_correct": cond,
+        "threads": candle_core::utils::get_num_threads(),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+    });
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    if let Some(out) = a.out {
+        if let Some(dir) = out.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let body = serde_json::json!({ "summary": summary, "items": rows });
+        let tmp = out.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(&body)?).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &out)?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(())
+}
