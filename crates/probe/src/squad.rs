@@ -1,10 +1,13 @@
 //! SQuAD v1.1 / v2.0 JSON (`{"data": [{"title", "paragraphs": [{"context",
-//! "qas": [...]}]}]}`); unanswerable v2.0 questions are dropped.
+//! "qas": [...]}]}]}`; unanswerable v2.0 questions are dropped) and the
+//! Hugging Face parquet layout of `rajpurkar/squad` (columns id, title,
+//! context, question, answers{text, answer_start}).
 //!
 //! The data path comes from the caller (config or CLI) or from the
 //! environment variable `TOLERABLE_SQUAD_DIR` (a folder holding
-//! `squad-dev.json` and `squad-train.json`); passages are never copied into
-//! the repository.
+//! `squad-dev.json` and `squad-train.json`); `hf` instead of a path takes
+//! `rajpurkar/squad` through hf-hub (its cache, or the hub where reachable).
+//! Passages are never copied into the repository.
 
 use crate::error::{ProbeError, Result};
 use crate::item::QaItem;
@@ -32,9 +35,25 @@ impl Split {
     }
 }
 
-/// The file of `split`: `explicit` if given (a file, or a folder holding
-/// `squad-dev.json` / `squad-train.json`), else `$TOLERABLE_SQUAD_DIR`.
+/// The Hugging Face dataset repository of SQuAD v1.1.
+pub const HF_REPO: &str = "rajpurkar/squad";
+
+/// The parquet file of `split` in [`HF_REPO`].
+pub fn hf_file(split: Split) -> &'static str {
+    match split {
+        Split::Dev => "plain_text/validation-00000-of-00001.parquet",
+        Split::Train => "plain_text/train-00000-of-00001.parquet",
+    }
+}
+
+/// The file of `split`: `explicit` if given (a file, a folder holding
+/// `squad-dev.json` / `squad-train.json`, or `hf` for the hub's parquet
+/// through the hub cache), else `$TOLERABLE_SQUAD_DIR`.
 pub fn resolve_path(explicit: Option<&Path>, split: Split) -> Result<PathBuf> {
+    if explicit.is_some_and(|p| p == Path::new("hf")) {
+        let cache = tolerable_runtime::hub::hub_cache_dir();
+        return Ok(tolerable_runtime::hub::dataset_file(HF_REPO, hf_file(split), &cache)?);
+    }
     let base = match explicit {
         Some(p) => p.to_path_buf(),
         None => std::env::var_os(SQUAD_DIR_ENV).map(PathBuf::from).ok_or_else(|| {
@@ -125,13 +144,77 @@ pub fn parse(text: &str, path: &Path) -> Result<Vec<QaItem>> {
     Ok(items)
 }
 
-/// Loads every answerable question of a SQuAD JSON file.
+/// Loads every answerable question of a SQuAD file: parquet (Hugging Face
+/// layout) by its extension, JSON otherwise.
 pub fn load(path: &Path) -> Result<Vec<QaItem>> {
+    if path.extension().is_some_and(|e| e == "parquet") {
+        return load_parquet(path);
+    }
     let text = std::fs::read_to_string(path).map_err(|e| ProbeError::Dataset {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })?;
     parse(&text, path)
+}
+
+/// Loads the Hugging Face parquet layout of SQuAD (id, title, context,
+/// question, answers{text: [..], answer_start: [..]}).
+pub fn load_parquet(path: &Path) -> Result<Vec<QaItem>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+    let bad = |reason: String| ProbeError::Dataset {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
+    let reader = SerializedFileReader::new(file).map_err(|e| bad(format!("not a parquet file: {e}")))?;
+    let rows = reader.get_row_iter(None).map_err(|e| bad(e.to_string()))?;
+    let mut items = Vec::new();
+    for row in rows {
+        let row = row.map_err(|e| bad(e.to_string()))?;
+        let (mut id, mut title, mut context, mut question) = (None, String::new(), None, None);
+        let mut answers: Vec<String> = Vec::new();
+        for (name, field) in row.get_column_iter() {
+            match (name.as_str(), field) {
+                ("id", Field::Str(s)) => id = Some(s.clone()),
+                ("title", Field::Str(s)) => title = s.clone(),
+                ("context", Field::Str(s)) => context = Some(s.clone()),
+                ("question", Field::Str(s)) => question = Some(s.clone()),
+                ("answers", Field::Group(g)) => {
+                    for (sub, f) in g.get_column_iter() {
+                        if let ("text", Field::ListInternal(list)) = (sub.as_str(), f) {
+                            for e in list.elements() {
+                                if let Field::Str(t) = e {
+                                    let t = t.trim().to_string();
+                                    if !t.is_empty() && !answers.contains(&t) {
+                                        answers.push(t);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        let (Some(id), Some(context), Some(question)) = (id, context, question) else {
+            return Err(bad("a row lacks id, context or question (not the rajpurkar/squad layout)".into()));
+        };
+        if answers.is_empty() {
+            continue;
+        }
+        items.push(QaItem {
+            id,
+            title,
+            context,
+            question,
+            answers,
+        });
+    }
+    if items.is_empty() {
+        return Err(ProbeError::EmptyDataset(path.to_path_buf()));
+    }
+    Ok(items)
 }
 
 #[cfg(test)]
@@ -157,6 +240,32 @@ mod tests {
         assert!(e.contains("empty.json") && e.contains("no answerable"), "{e}");
         let e = load(Path::new("/nonexistent/squad.json")).unwrap_err().to_string();
         assert!(e.contains("/nonexistent/squad.json"), "{e}");
+    }
+
+    #[test]
+    fn reads_the_hugging_face_parquet_layout() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/squad-hf-layout.parquet");
+        let items = load(&p).unwrap();
+        assert_eq!(items.len(), 3);
+        assert_eq!(items[1].answers, vec!["the Osk river".to_string(), "Osk".to_string()]);
+        assert_eq!(items[2].title, "Quorin");
+        let e = load_parquet(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml").as_path()).unwrap_err().to_string();
+        assert!(e.contains("not a parquet file"), "{e}");
+    }
+
+    #[test]
+    fn hub_layout_resolves_from_a_local_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let commit = "89abcdef0123456789abcdef0123456789abcdef";
+        let repo_dir = dir.path().join("datasets--rajpurkar--squad");
+        let file = repo_dir.join("snapshots").join(commit).join(hf_file(Split::Dev));
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/squad-hf-layout.parquet"), &file).unwrap();
+        std::fs::create_dir_all(repo_dir.join("refs")).unwrap();
+        std::fs::write(repo_dir.join("refs/main"), commit).unwrap();
+        let p = tolerable_runtime::hub::dataset_file(HF_REPO, hf_file(Split::Dev), dir.path()).unwrap();
+        assert_eq!(p, file);
+        assert_eq!(load(&p).unwrap().len(), 3);
     }
 
     #[test]

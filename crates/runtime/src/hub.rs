@@ -3,7 +3,7 @@
 //! when present there, else downloaded where the hub is reachable.
 
 use crate::error::{Result, RuntimeError};
-use hf_hub::{Cache, Repo};
+use hf_hub::{Cache, Repo, RepoType};
 use std::path::{Path, PathBuf};
 
 /// The local files of one Hugging Face checkpoint (one snapshot directory).
@@ -112,4 +112,25 @@ pub fn fetch(repo: &str, cache_dir: &Path) -> Result<HfCheckpoint> {
         tokenizer,
         shards,
     })
+}
+
+/// One file of a Hugging Face *dataset* repository (e.g. `rajpurkar/squad`,
+/// `plain_text/validation-00000-of-00001.parquet`): from the hub cache at
+/// `cache_dir` when present, else downloaded where the hub is reachable
+/// (never under `HF_HUB_OFFLINE=1`).
+pub fn dataset_file(repo: &str, filename: &str, cache_dir: &Path) -> Result<PathBuf> {
+    let cache = Cache::new(cache_dir.to_path_buf());
+    if let Some(p) = cache.repo(Repo::new(repo.to_string(), RepoType::Dataset)).get(filename) {
+        return Ok(p);
+    }
+    if std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1") {
+        return Err(fail(repo, format!("`{filename}` is not in the hub cache at {} (offline)", cache_dir.display())));
+    }
+    let api = hf_hub::api::sync::ApiBuilder::new()
+        .with_cache_dir(cache_dir.to_path_buf())
+        .build()
+        .map_err(|e| fail(repo, e.to_string()))?;
+    api.repo(Repo::new(repo.to_string(), RepoType::Dataset))
+        .get(filename)
+        .map_err(|e| fail(repo, format!("`{filename}`: {e}")))
 }
