@@ -1,0 +1,58 @@
+//! The command line on a tiny model the test writes.
+
+use std::process::Command;
+use tolerable_runtime::tiny::{write_gguf, TinySpec};
+
+fn xtask() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_xtask"))
+}
+
+#[test]
+fn generate_prints_the_documented_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    write_gguf(&TinySpec::default(), &model).unwrap();
+    let prompt = dir.path().join("prompt.txt");
+    std::fs::write(&prompt, "the theory").unwrap();
+    let out = xtask()
+        .args(["generate", "--model", model.to_str().unwrap(), "--prompt-file", prompt.to_str().unwrap(), "--tokens", "5", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii()).unwrap();
+    assert_eq!(v["continuation_ids"].as_array().unwrap().len(), 5);
+    assert!(!v["prompt_ids"].as_array().unwrap().is_empty());
+    assert!(v["continuation"].is_string());
+    let top5 = v["top5"].as_array().unwrap();
+    assert_eq!(top5.len(), 5);
+    // The first continuation token is the top-1 id, and logits are sorted.
+    assert_eq!(top5[0][0], v["continuation_ids"][0]);
+    let l: Vec<f64> = top5.iter().map(|p| p[1].as_f64().unwrap()).collect();
+    assert!(l.windows(2).all(|w| w[0] >= w[1]));
+    // --chat wraps the prompt in the model's template.
+    let chat = xtask()
+        .args(["generate", "--model", model.to_str().unwrap(), "--prompt-file", prompt.to_str().unwrap(), "--tokens", "2", "--json", "--chat"])
+        .output()
+        .unwrap();
+    let c: serde_json::Value = serde_json::from_slice(chat.stdout.trim_ascii()).unwrap();
+    assert!(c["prompt_ids"].as_array().unwrap().len() > v["prompt_ids"].as_array().unwrap().len());
+}
+
+#[test]
+fn bad_model_ids_and_files_fail_with_their_names() {
+    let out = xtask().args(["fetch-model", "qwen9-giant"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown model id `qwen9-giant`"), "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = dir.path().join("p.txt");
+    std::fs::write(&prompt, "x").unwrap();
+    let bad = dir.path().join("broken.gguf");
+    std::fs::write(&bad, b"GGUF but not really").unwrap();
+    let out = xtask()
+        .args(["generate", "--model", bad.to_str().unwrap(), "--prompt-file", prompt.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("broken.gguf"));
+}
