@@ -6,6 +6,7 @@
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
+use std::io::Write;
 use std::path::PathBuf;
 use tolerable_probe::sample::sample;
 use tolerable_probe::score::{conditional, score};
@@ -26,7 +27,7 @@ pub struct AnchorArgs {
     pub out: Option<PathBuf>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, serde::Deserialize)]
 struct Row {
     item_id: String,
     prompt_tokens: usize,
@@ -71,9 +72,14 @@ pub fn run(a: AnchorArgs) -> Result<()> {
         let path = squad::resolve_path(a.squad.as_deref(), squad::Split::Dev)?;
         (squad::load(&path)?, path.display().to_string())
     };
+    // A prompt plus its continuation must fit the model's context.
+    let ctx = ck.model.config().context_length;
+    if a.new_tokens >= ctx {
+        anyhow::bail!("--new-tokens {} leaves no room in a context of {ctx}", a.new_tokens);
+    }
     let opts = SplitOptions {
         template: a.template.clone(),
-        max_prompt_tokens: a.max_prompt_tokens,
+        max_prompt_tokens: a.max_prompt_tokens.min(ctx - a.new_tokens),
         ..SplitOptions::default()
     };
     let s = sample(&items, &ck.tokenizer, &opts, a.n, a.seed)?;
@@ -83,18 +89,65 @@ pub fn run(a: AnchorArgs) -> Result<()> {
     bar.set_prefix(format!("anchors {} {}", a.model, a.template.name()));
     let m = &ck.model;
     let gen = GreedyOptions::tokens(a.new_tokens);
+    // Finished items are appended to `<out>.partial.jsonl` as they complete,
+    // keyed by the run's settings, so an interrupted run resumes where it stopped.
+    let key = serde_json::json!({"model": a.model, "template": a.template, "seed": a.seed, "n": a.n,
+        "new_tokens": a.new_tokens, "max_prompt_tokens": a.max_prompt_tokens, "synthetic": a.synthetic}).to_string();
+    let partial = a.out.as_ref().map(|o| o.with_extension("partial.jsonl"));
+    let mut done: std::collections::HashMap<String, Row> = std::collections::HashMap::new();
+    if let Some(p) = partial.as_ref().filter(|p| p.exists()) {
+        let text = std::fs::read_to_string(p)?;
+        let mut lines = text.lines();
+        if lines.next() == Some(key.as_str()) {
+            for l in lines {
+                // A line cut short by a kill is simply redone.
+                if let Ok(r) = serde_json::from_str::<Row>(l) {
+                    done.insert(r.item_id.clone(), r);
+                }
+            }
+            tracing::info!("resuming: {} of {} items already done in {}", done.len(), s.items.len(), p.display());
+        } else {
+            tracing::warn!("{} belongs to other settings; starting afresh", p.display());
+            std::fs::remove_file(p)?;
+        }
+    }
+    let mut log = match &partial {
+        Some(p) => {
+            let fresh = !p.exists();
+            if let Some(dir) = p.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p)?;
+            if fresh {
+                writeln!(f, "{key}")?;
+            }
+            Some(f)
+        }
+        None => None,
+    };
     let mut rows = Vec::with_capacity(s.items.len());
     for it in &s.items {
-        // Masked and full prompts have equal length: one batch of two.
-        let mut cache = m.new_cache(2);
-        let g = m.generate(&[it.masked_prompt(), it.full_prompt()], &mut cache, &gen)?;
+        if let Some(r) = done.remove(&it.item.id) {
+            rows.push(r);
+            bar.inc(1);
+            continue;
+        }
+        // Masked and full prompts have equal length and share every token
+        // before the first fact position: read that prefix once, then run
+        // the two prompts' remainders as one batch of two.
+        let (masked, full) = (it.masked_prompt(), it.full_prompt());
+        let shared = it.common_prefix_len();
+        let mut prefix = m.new_cache(1);
+        m.forward(&m.tokens(&[full[..shared].to_vec()])?, &mut prefix, &tolerable_runtime::HookSpec::new(), tolerable_runtime::LogitsAt::None)?;
+        let mut cache = prefix.repeat(2)?;
+        let g = m.generate(&[masked[shared..].to_vec(), full[shared..].to_vec()], &mut cache, &gen)?;
         let floor = ck.tokenizer.decode(&g.tokens[0])?;
         let native = ck.tokenizer.decode(&g.tokens[1])?;
         let passage = &it.item.context;
         let (sf, sn) = (score(&floor, &it.item.answers, passage), score(&native, &it.item.answers, passage));
-        rows.push(Row {
+        let row = Row {
             item_id: it.item.id.clone(),
-            prompt_tokens: it.full_prompt().len(),
+            prompt_tokens: full.len(),
             fact_tokens: it.fact_region.len(),
             floor,
             native,
@@ -102,7 +155,11 @@ pub fn run(a: AnchorArgs) -> Result<()> {
             native_correct: sn.correct,
             floor_span_copy: sf.span_copy,
             native_span_copy: sn.span_copy,
-        });
+        };
+        if let Some(f) = log.as_mut() {
+            writeln!(f, "{}", serde_json::to_string(&row)?)?;
+        }
+        rows.push(row);
         bar.inc(1);
     }
     bar.finish();
@@ -139,6 +196,9 @@ pub fn run(a: AnchorArgs) -> Result<()> {
         let tmp = out.with_extension("json.tmp");
         std::fs::write(&tmp, serde_json::to_string_pretty(&body)?).with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, &out)?;
+        if let Some(p) = partial {
+            let _ = std::fs::remove_file(p);
+        }
         eprintln!("wrote {}", out.display());
     }
     Ok(())

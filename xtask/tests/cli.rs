@@ -56,3 +56,34 @@ fn bad_model_ids_and_files_fail_with_their_names() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("broken.gguf"));
 }
+
+#[test]
+fn anchors_resume_from_a_partial_log_with_identical_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    write_gguf(&TinySpec { context_length: 1024, ..TinySpec::default() }, &model).unwrap();
+    let out = dir.path().join("a.json");
+    let run = || {
+        let o = xtask()
+            .args(["anchors", "--model", model.to_str().unwrap(), "--synthetic", "--n", "4", "--seed", "3", "--out", out.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(&out).unwrap()).unwrap()
+    };
+    let first = run();
+    let items = first["items"].as_array().unwrap().clone();
+    assert_eq!(items.len(), 4);
+    assert_eq!(first["summary"]["n"], 4);
+    // A run killed after two items, mid-way through writing the third.
+    let partial = dir.path().join("a.partial.jsonl");
+    let key = serde_json::json!({"model": model.to_str().unwrap(), "template": {"kind": "raw"}, "seed": 3, "n": 4,
+        "new_tokens": 8, "max_prompt_tokens": 512, "synthetic": true}).to_string();
+    let third = items[2].to_string();
+    let body = format!("{key}\n{}\n{}\n{}", items[0], items[1], &third[..third.len() / 2]);
+    std::fs::write(&partial, body).unwrap();
+    std::fs::remove_file(&out).unwrap();
+    let second = run();
+    assert_eq!(second["items"], first["items"]);
+    assert!(!partial.exists());
+}
