@@ -67,7 +67,10 @@ pub fn run(a: AnchorArgs) -> Result<()> {
     let dev = candle_core::Device::Cpu;
     let ck = Checkpoint::load(&a.model, Precision::F32, &dev)?;
     let (items, source) = if a.synthetic {
-        (synthetic::generate(a.n.max(1) * 2, a.seed), format!("synthetic(seed={})", a.seed))
+        (
+            synthetic::generate(a.n.max(1) * 2, a.seed),
+            format!("synthetic(seed={})", a.seed),
+        )
     } else {
         let path = squad::resolve_path(a.squad.as_deref(), squad::Split::Dev)?;
         (squad::load(&path)?, path.display().to_string())
@@ -75,7 +78,10 @@ pub fn run(a: AnchorArgs) -> Result<()> {
     // A prompt plus its continuation must fit the model's context.
     let ctx = ck.model.config().context_length;
     if a.new_tokens >= ctx {
-        anyhow::bail!("--new-tokens {} leaves no room in a context of {ctx}", a.new_tokens);
+        anyhow::bail!(
+            "--new-tokens {} leaves no room in a context of {ctx}",
+            a.new_tokens
+        );
     }
     let opts = SplitOptions {
         template: a.template.clone(),
@@ -83,9 +89,17 @@ pub fn run(a: AnchorArgs) -> Result<()> {
         ..SplitOptions::default()
     };
     let s = sample(&items, &ck.tokenizer, &opts, a.n, a.seed)?;
-    tracing::info!("{} items from {source} (seed {}, {} considered, dropped {:?})", s.items.len(), a.seed, s.considered, s.dropped);
+    tracing::info!(
+        "{} items from {source} (seed {}, {} considered, dropped {:?})",
+        s.items.len(),
+        a.seed,
+        s.considered,
+        s.dropped
+    );
     let bar = ProgressBar::new(s.items.len() as u64);
-    bar.set_style(ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} {per_sec} eta {eta}").unwrap());
+    bar.set_style(
+        ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} {per_sec} eta {eta}").unwrap(),
+    );
     bar.set_prefix(format!("anchors {} {}", a.model, a.template.name()));
     let m = &ck.model;
     let gen = GreedyOptions::tokens(a.new_tokens);
@@ -105,7 +119,12 @@ pub fn run(a: AnchorArgs) -> Result<()> {
                     done.insert(r.item_id.clone(), r);
                 }
             }
-            tracing::info!("resuming: {} of {} items already done in {}", done.len(), s.items.len(), p.display());
+            tracing::info!(
+                "resuming: {} of {} items already done in {}",
+                done.len(),
+                s.items.len(),
+                p.display()
+            );
         } else {
             tracing::warn!("{} belongs to other settings; starting afresh", p.display());
             std::fs::remove_file(p)?;
@@ -117,7 +136,10 @@ pub fn run(a: AnchorArgs) -> Result<()> {
             if let Some(dir) = p.parent() {
                 std::fs::create_dir_all(dir)?;
             }
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p)?;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)?;
             if fresh {
                 writeln!(f, "{key}")?;
             }
@@ -138,13 +160,25 @@ pub fn run(a: AnchorArgs) -> Result<()> {
         let (masked, full) = (it.masked_prompt(), it.full_prompt());
         let shared = it.common_prefix_len();
         let mut prefix = m.new_cache(1);
-        m.forward(&m.tokens(&[full[..shared].to_vec()])?, &mut prefix, &tolerable_runtime::HookSpec::new(), tolerable_runtime::LogitsAt::None)?;
+        m.forward(
+            &m.tokens(&[full[..shared].to_vec()])?,
+            &mut prefix,
+            &tolerable_runtime::HookSpec::new(),
+            tolerable_runtime::LogitsAt::None,
+        )?;
         let mut cache = prefix.repeat(2)?;
-        let g = m.generate(&[masked[shared..].to_vec(), full[shared..].to_vec()], &mut cache, &gen)?;
+        let g = m.generate(
+            &[masked[shared..].to_vec(), full[shared..].to_vec()],
+            &mut cache,
+            &gen,
+        )?;
         let floor = ck.tokenizer.decode(&g.tokens[0])?;
         let native = ck.tokenizer.decode(&g.tokens[1])?;
         let passage = &it.item.context;
-        let (sf, sn) = (score(&floor, &it.item.answers, passage), score(&native, &it.item.answers, passage));
+        let (sf, sn) = (
+            score(&floor, &it.item.answers, passage),
+            score(&native, &it.item.answers, passage),
+        );
         let row = Row {
             item_id: it.item.id.clone(),
             prompt_tokens: full.len(),
@@ -165,10 +199,20 @@ pub fn run(a: AnchorArgs) -> Result<()> {
     bar.finish();
     let fc: Vec<bool> = rows.iter().map(|r| r.floor_correct).collect();
     let nc: Vec<bool> = rows.iter().map(|r| r.native_correct).collect();
-    let floor = anchor(&fc, &rows.iter().map(|r| r.floor_span_copy).collect::<Vec<_>>())?;
-    let native = anchor(&nc, &rows.iter().map(|r| r.native_span_copy).collect::<Vec<_>>())?;
-    let d = difference(Proportion::from_outcomes(&nc)?, Proportion::from_outcomes(&fc)?);
-    let cond = conditional(&fc, &nc).map(|(h, e)| serde_json::json!({"correct": h, "n": e, "accuracy": h as f64 / e as f64}));
+    let floor = anchor(
+        &fc,
+        &rows.iter().map(|r| r.floor_span_copy).collect::<Vec<_>>(),
+    )?;
+    let native = anchor(
+        &nc,
+        &rows.iter().map(|r| r.native_span_copy).collect::<Vec<_>>(),
+    )?;
+    let d = difference(
+        Proportion::from_outcomes(&nc)?,
+        Proportion::from_outcomes(&fc)?,
+    );
+    let cond = conditional(&fc, &nc)
+        .map(|(h, e)| serde_json::json!({"correct": h, "n": e, "accuracy": h as f64 / e as f64}));
     let summary = serde_json::json!({
         "model": a.model,
         "sha256": ck.sha256,
@@ -194,7 +238,8 @@ pub fn run(a: AnchorArgs) -> Result<()> {
         }
         let body = serde_json::json!({ "summary": summary, "items": rows });
         let tmp = out.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_string_pretty(&body)?).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::write(&tmp, serde_json::to_string_pretty(&body)?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, &out)?;
         if let Some(p) = partial {
             let _ = std::fs::remove_file(p);

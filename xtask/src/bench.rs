@@ -53,7 +53,12 @@ fn prefill(m: &Model, ids: &[u32], spec: &HookSpec) -> Result<()> {
 fn decode_tps(m: &Model, ids: &[u32], batch: usize, steps: usize) -> Result<f64> {
     let prompt: Vec<Vec<u32>> = (0..batch).map(|_| ids[..32].to_vec()).collect();
     let mut c = m.new_cache(batch);
-    let out = m.forward(&m.tokens(&prompt)?, &mut c, &HookSpec::new(), LogitsAt::Last)?;
+    let out = m.forward(
+        &m.tokens(&prompt)?,
+        &mut c,
+        &HookSpec::new(),
+        LogitsAt::Last,
+    )?;
     let last = out.logits.expect("logits").squeeze(1)?;
     let opts = tolerable_runtime::GreedyOptions::tokens(steps + 1);
     let s = Instant::now();
@@ -84,9 +89,15 @@ pub fn run(model: &str, json: bool, n: usize, reps: usize, skip_quantized: bool)
     )?;
     drop(reference);
     let (ours_f32, ours_cap, cand_f32) = (t[0], t[1], t[2]);
-    eprintln!("  ours f32 prefill, hooks off: {ours_f32:.3} s ({:.1} tok/s)", n as f64 / ours_f32);
+    eprintln!(
+        "  ours f32 prefill, hooks off: {ours_f32:.3} s ({:.1} tok/s)",
+        n as f64 / ours_f32
+    );
     eprintln!("  ours f32 prefill, capture K,V,resid all layers: {ours_cap:.3} s");
-    eprintln!("  candle-transformers f32 prefill: {cand_f32:.3} s ({:.1} tok/s)", n as f64 / cand_f32);
+    eprintln!(
+        "  candle-transformers f32 prefill: {cand_f32:.3} s ({:.1} tok/s)",
+        n as f64 / cand_f32
+    );
     let dec1 = decode_tps(m, &ids, 1, 16)?;
     let dec16 = decode_tps(m, &ids, 16, 16)?;
     eprintln!("  ours f32 decode: batch 1 {dec1:.2} tok/s, batch 16 {dec16:.2} tok/s");
@@ -116,7 +127,13 @@ pub fn run(model: &str, json: bool, n: usize, reps: usize, skip_quantized: bool)
 }
 
 /// The quantized figures: our QMatMul path against candle-transformers' quantized model.
-fn quantized(ck: &Checkpoint, ids: &[u32], reps: usize, capture_all: &HookSpec, figures: &mut serde_json::Value) -> Result<()> {
+fn quantized(
+    ck: &Checkpoint,
+    ids: &[u32],
+    reps: usize,
+    capture_all: &HookSpec,
+    figures: &mut serde_json::Value,
+) -> Result<()> {
     let dev = candle_core::Device::Cpu;
     let q = Checkpoint::load_gguf(&ck.id, &ck.path, None, Precision::Quantized, &dev)?;
     let mut reference_q = Reference::load(&ck.path, Precision::Quantized, &dev)?;

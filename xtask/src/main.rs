@@ -111,7 +111,9 @@ enum Cmd {
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -125,14 +127,27 @@ fn main() -> Result<()> {
             };
             println!("{}", path.display());
         }
-        Cmd::Generate { model, prompt_file, tokens, json, chat, precision } => {
+        Cmd::Generate {
+            model,
+            prompt_file,
+            tokens,
+            json,
+            chat,
+            precision,
+        } => {
             let text = std::fs::read_to_string(&prompt_file)
                 .with_context(|| format!("reading prompt file {}", prompt_file.display()))?;
             let ck = Checkpoint::load(&model, precision, &dev)?;
-            let prompt = if chat { ck.tokenizer.apply_chat_template(&text)? } else { text };
+            let prompt = if chat {
+                ck.tokenizer.apply_chat_template(&text)?
+            } else {
+                text
+            };
             let ids = ck.tokenizer.encode(&prompt)?;
             let mut cache = ck.model.new_cache(1);
-            let g = ck.model.generate(&[ids.clone()], &mut cache, &GreedyOptions::tokens(tokens))?;
+            let g =
+                ck.model
+                    .generate(&[ids.clone()], &mut cache, &GreedyOptions::tokens(tokens))?;
             let cont = ck.tokenizer.decode(&g.tokens[0])?;
             if json {
                 let row = g.first_logits.squeeze(0)?.to_vec1::<f32>()?;
@@ -162,15 +177,41 @@ fn main() -> Result<()> {
                 anyhow::bail!("a gate failed on {model}");
             }
         }
-        Cmd::Anchors { model, n, seed, template, squad, synthetic, max_prompt_tokens, new_tokens, out } => {
+        Cmd::Anchors {
+            model,
+            n,
+            seed,
+            template,
+            squad,
+            synthetic,
+            max_prompt_tokens,
+            new_tokens,
+            out,
+        } => {
             let template = match template.as_str() {
                 "raw" => tolerable_probe::Template::Raw,
                 "chat" => tolerable_probe::Template::Chat,
                 other => anyhow::bail!("unknown template `{other}` (raw or chat)"),
             };
-            anchors::run(anchors::AnchorArgs { model, n, seed, template, squad, synthetic, max_prompt_tokens, new_tokens, out })?
+            anchors::run(anchors::AnchorArgs {
+                model,
+                n,
+                seed,
+                template,
+                squad,
+                synthetic,
+                max_prompt_tokens,
+                new_tokens,
+                out,
+            })?
         }
-        Cmd::Bench { model, json, prompt_tokens, reps, skip_quantized } => bench::run(&model, json, prompt_tokens, reps, skip_quantized)?,
+        Cmd::Bench {
+            model,
+            json,
+            prompt_tokens,
+            reps,
+            skip_quantized,
+        } => bench::run(&model, json, prompt_tokens, reps, skip_quantized)?,
     }
     Ok(())
 }

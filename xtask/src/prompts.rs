@@ -22,7 +22,13 @@ pub fn run_gates(ck: &Checkpoint, quantized: bool) -> Result<serde_json::Value> 
         "identity": identity,
     });
     if quantized {
-        let q = Checkpoint::load_gguf(&ck.id, &ck.path, ck.sha256.clone(), Precision::Quantized, ck.model.device())?;
+        let q = Checkpoint::load_gguf(
+            &ck.id,
+            &ck.path,
+            ck.sha256.clone(),
+            Precision::Quantized,
+            ck.model.device(),
+        )?;
         let pq = gates::parity(&q, &prompts, 8)?;
         passed &= pq.passed;
         out["parity_quantized"] = serde_json::to_value(pq)?;

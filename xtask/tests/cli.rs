@@ -15,10 +15,23 @@ fn generate_prints_the_documented_json() {
     let prompt = dir.path().join("prompt.txt");
     std::fs::write(&prompt, "the theory").unwrap();
     let out = xtask()
-        .args(["generate", "--model", model.to_str().unwrap(), "--prompt-file", prompt.to_str().unwrap(), "--tokens", "5", "--json"])
+        .args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-file",
+            prompt.to_str().unwrap(),
+            "--tokens",
+            "5",
+            "--json",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii()).unwrap();
     assert_eq!(v["continuation_ids"].as_array().unwrap().len(), 5);
     assert!(!v["prompt_ids"].as_array().unwrap().is_empty());
@@ -31,7 +44,17 @@ fn generate_prints_the_documented_json() {
     assert!(l.windows(2).all(|w| w[0] >= w[1]));
     // --chat wraps the prompt in the model's template.
     let chat = xtask()
-        .args(["generate", "--model", model.to_str().unwrap(), "--prompt-file", prompt.to_str().unwrap(), "--tokens", "2", "--json", "--chat"])
+        .args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-file",
+            prompt.to_str().unwrap(),
+            "--tokens",
+            "2",
+            "--json",
+            "--chat",
+        ])
         .output()
         .unwrap();
     let c: serde_json::Value = serde_json::from_slice(chat.stdout.trim_ascii()).unwrap();
@@ -40,7 +63,10 @@ fn generate_prints_the_documented_json() {
 
 #[test]
 fn bad_model_ids_and_files_fail_with_their_names() {
-    let out = xtask().args(["fetch-model", "qwen9-giant"]).output().unwrap();
+    let out = xtask()
+        .args(["fetch-model", "qwen9-giant"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("unknown model id `qwen9-giant`"), "{err}");
@@ -50,7 +76,13 @@ fn bad_model_ids_and_files_fail_with_their_names() {
     let bad = dir.path().join("broken.gguf");
     std::fs::write(&bad, b"GGUF but not really").unwrap();
     let out = xtask()
-        .args(["generate", "--model", bad.to_str().unwrap(), "--prompt-file", prompt.to_str().unwrap()])
+        .args([
+            "generate",
+            "--model",
+            bad.to_str().unwrap(),
+            "--prompt-file",
+            prompt.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -61,11 +93,29 @@ fn bad_model_ids_and_files_fail_with_their_names() {
 fn anchors_resume_from_a_partial_log_with_identical_rows() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("tiny.gguf");
-    write_gguf(&TinySpec { context_length: 1024, ..TinySpec::default() }, &model).unwrap();
+    write_gguf(
+        &TinySpec {
+            context_length: 1024,
+            ..TinySpec::default()
+        },
+        &model,
+    )
+    .unwrap();
     let out = dir.path().join("a.json");
     let run = || {
         let o = xtask()
-            .args(["anchors", "--model", model.to_str().unwrap(), "--synthetic", "--n", "4", "--seed", "3", "--out", out.to_str().unwrap()])
+            .args([
+                "anchors",
+                "--model",
+                model.to_str().unwrap(),
+                "--synthetic",
+                "--n",
+                "4",
+                "--seed",
+                "3",
+                "--out",
+                out.to_str().unwrap(),
+            ])
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -80,7 +130,12 @@ fn anchors_resume_from_a_partial_log_with_identical_rows() {
     let key = serde_json::json!({"model": model.to_str().unwrap(), "template": {"kind": "raw"}, "seed": 3, "n": 4,
         "new_tokens": 8, "max_prompt_tokens": 512, "synthetic": true}).to_string();
     let third = items[2].to_string();
-    let body = format!("{key}\n{}\n{}\n{}", items[0], items[1], &third[..third.len() / 2]);
+    let body = format!(
+        "{key}\n{}\n{}\n{}",
+        items[0],
+        items[1],
+        &third[..third.len() / 2]
+    );
     std::fs::write(&partial, body).unwrap();
     std::fs::remove_file(&out).unwrap();
     let second = run();

@@ -13,7 +13,10 @@ use std::collections::HashSet;
 /// Whether `passage` holds any of `answers` (normalised text).
 pub fn holds_answer(passage: &str, answers: &[String]) -> bool {
     let p = normalize(passage);
-    answers.iter().map(|a| normalize(a)).any(|a| !a.is_empty() && p.contains(&a))
+    answers
+        .iter()
+        .map(|a| normalize(a))
+        .any(|a| !a.is_empty() && p.contains(&a))
 }
 
 /// For each item, the index of another item whose passage serves as its
@@ -50,10 +53,17 @@ pub fn position_control_sites(item: &SplitItem) -> Vec<usize> {
 
 /// The training items that share no normalised answer with the eval items.
 pub fn answer_disjoint(train: &[QaItem], eval: &[QaItem]) -> Vec<QaItem> {
-    let eval_answers: HashSet<String> = eval.iter().flat_map(|e| e.answers.iter().map(|a| normalize(a))).collect();
+    let eval_answers: HashSet<String> = eval
+        .iter()
+        .flat_map(|e| e.answers.iter().map(|a| normalize(a)))
+        .collect();
     train
         .iter()
-        .filter(|t| !t.answers.iter().any(|a| eval_answers.contains(&normalize(a))))
+        .filter(|t| {
+            !t.answers
+                .iter()
+                .any(|a| eval_answers.contains(&normalize(a)))
+        })
         .cloned()
         .collect()
 }
@@ -71,16 +81,26 @@ pub struct Pool {
 /// whose passages hold none of `i`'s answers, in seeded order.
 pub fn distractor_pool(items: &[QaItem], i: usize, n: usize, seed: u64) -> Result<Pool> {
     if n == 0 {
-        return Err(ProbeError::Config("a pool needs at least one holder".into()));
+        return Err(ProbeError::Config(
+            "a pool needs at least one holder".into(),
+        ));
     }
     let mut rng = Rng::new(seed ^ (i as u64).wrapping_mul(0x9E37_79B9));
     let mut cand: Vec<usize> = (0..items.len())
-        .filter(|&j| j != i && items[j].context != items[i].context && !holds_answer(&items[j].context, &items[i].answers))
+        .filter(|&j| {
+            j != i
+                && items[j].context != items[i].context
+                && !holds_answer(&items[j].context, &items[i].answers)
+        })
         .collect();
     rng.shuffle(&mut cand);
     // One passage per distractor: skip repeats of a passage.
     let mut seen = HashSet::new();
-    let mut members: Vec<usize> = cand.into_iter().filter(|&j| seen.insert(items[j].context.clone())).take(n - 1).collect();
+    let mut members: Vec<usize> = cand
+        .into_iter()
+        .filter(|&j| seen.insert(items[j].context.clone()))
+        .take(n - 1)
+        .collect();
     if members.len() < n - 1 {
         return Err(ProbeError::NotEnoughItems {
             asked: n - 1,
@@ -119,7 +139,11 @@ mod tests {
             let p = distractor_pool(&items, 5, n, 1).unwrap();
             assert_eq!(p.members.len(), n);
             assert_eq!(p.members[p.answer_holder], 5);
-            let holders = p.members.iter().filter(|&&j| holds_answer(&items[j].context, &items[5].answers)).count();
+            let holders = p
+                .members
+                .iter()
+                .filter(|&&j| holds_answer(&items[j].context, &items[5].answers))
+                .count();
             assert_eq!(holders, 1);
         }
         assert!(distractor_pool(&items[..3], 0, 8, 1).is_err());
@@ -129,12 +153,20 @@ mod tests {
     fn answer_disjoint_split() {
         let eval = synthetic::generate(10, 5);
         let mut train = synthetic::generate(20, 6);
-        train.push(QaItem { answers: vec![format!("  {}!", eval[0].answers[0].to_uppercase())], ..train[0].clone() });
+        train.push(QaItem {
+            answers: vec![format!("  {}!", eval[0].answers[0].to_uppercase())],
+            ..train[0].clone()
+        });
         let injected = train.last().unwrap().clone();
         let kept = answer_disjoint(&train, &eval);
         assert!(!kept.contains(&injected));
         assert!(kept.len() >= 15, "{}", kept.len());
-        let ev: HashSet<String> = eval.iter().flat_map(|e| e.answers.iter().map(|a| normalize(a))).collect();
-        assert!(kept.iter().all(|k| k.answers.iter().all(|a| !ev.contains(&normalize(a)))));
+        let ev: HashSet<String> = eval
+            .iter()
+            .flat_map(|e| e.answers.iter().map(|a| normalize(a)))
+            .collect();
+        assert!(kept
+            .iter()
+            .all(|k| k.answers.iter().all(|a| !ev.contains(&normalize(a)))));
     }
 }

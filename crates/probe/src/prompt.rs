@@ -46,17 +46,22 @@ impl Template {
     /// segment, as running text has it).
     pub fn parts(&self, question: &str, tokenizer: &Tokenizer) -> Result<(String, String)> {
         match self {
-            Template::Raw => Ok(("Context:".into(), format!("\nQuestion: {question}\nAnswer:"))),
-            Template::Custom { prefix, suffix } => Ok((prefix.clone(), suffix.replace("{question}", question))),
+            Template::Raw => Ok((
+                "Context:".into(),
+                format!("\nQuestion: {question}\nAnswer:"),
+            )),
+            Template::Custom { prefix, suffix } => {
+                Ok((prefix.clone(), suffix.replace("{question}", question)))
+            }
             Template::Chat => {
                 const SENTINEL: &str = "\u{0}PASSAGE\u{0}";
                 let user = format!(
                     "Context:{SENTINEL}\nQuestion: {question}\nAnswer with a short span from the context."
                 );
                 let text = tokenizer.apply_chat_template(&user)?;
-                let (pre, post) = text
-                    .split_once(SENTINEL)
-                    .ok_or_else(|| ProbeError::Config("chat template lost the passage placeholder".into()))?;
+                let (pre, post) = text.split_once(SENTINEL).ok_or_else(|| {
+                    ProbeError::Config("chat template lost the passage placeholder".into())
+                })?;
                 Ok((pre.to_string(), post.to_string()))
             }
         }

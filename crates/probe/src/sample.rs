@@ -30,11 +30,20 @@ impl Sample {
 }
 
 fn reason_name(r: DropReason) -> String {
-    serde_json::to_value(r).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+    serde_json::to_value(r)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default()
 }
 
 /// Draws `n` split items from `items` with `seed`.
-pub fn sample(items: &[QaItem], tokenizer: &Tokenizer, opts: &SplitOptions, n: usize, seed: u64) -> Result<Sample> {
+pub fn sample(
+    items: &[QaItem],
+    tokenizer: &Tokenizer,
+    opts: &SplitOptions,
+    n: usize,
+    seed: u64,
+) -> Result<Sample> {
     if items.is_empty() {
         return Err(ProbeError::NotEnoughItems {
             asked: n,

@@ -7,7 +7,10 @@ use serde::{Deserialize, Serialize};
 /// a/an/the, collapse whitespace.
 pub fn normalize(s: &str) -> String {
     let lower = s.to_lowercase();
-    let no_punct: String = lower.chars().filter(|c| !c.is_ascii_punctuation()).collect();
+    let no_punct: String = lower
+        .chars()
+        .filter(|c| !c.is_ascii_punctuation())
+        .collect();
     no_punct
         .split_whitespace()
         .filter(|w| !matches!(*w, "a" | "an" | "the"))
@@ -26,7 +29,10 @@ pub fn first_line(continuation: &str) -> &str {
 /// Whether the continuation's first line contains a normalised gold answer.
 pub fn is_correct(continuation: &str, answers: &[String]) -> bool {
     let c = normalize(first_line(continuation));
-    answers.iter().map(|a| normalize(a)).any(|a| !a.is_empty() && contains_words(&c, &a))
+    answers
+        .iter()
+        .map(|a| normalize(a))
+        .any(|a| !a.is_empty() && contains_words(&c, &a))
 }
 
 /// Substring match on normalised text (PROTOCOL.md section 3: plain
@@ -66,7 +72,11 @@ pub fn conditional(correct: &[bool], native_correct: &[bool]) -> Option<(usize, 
     if eligible == 0 {
         return None;
     }
-    let hits = correct.iter().zip(native_correct).filter(|(&c, &n)| c && n).count();
+    let hits = correct
+        .iter()
+        .zip(native_correct)
+        .filter(|(&c, &n)| c && n)
+        .count();
     Some((hits, eligible))
 }
 
@@ -103,7 +113,10 @@ mod tests {
 
     #[test]
     fn conditional_accuracy() {
-        assert_eq!(conditional(&[true, false, true], &[true, true, false]), Some((1, 2)));
+        assert_eq!(
+            conditional(&[true, false, true], &[true, true, false]),
+            Some((1, 2))
+        );
         assert_eq!(conditional(&[true], &[false]), None);
     }
 }

@@ -92,13 +92,21 @@ impl SplitItem {
 
     /// The fact region as prompt positions.
     pub fn fact_positions(&self) -> Vec<usize> {
-        self.fact_region.iter().map(|p| p + self.prefix_ids.len()).collect()
+        self.fact_region
+            .iter()
+            .map(|p| p + self.prefix_ids.len())
+            .collect()
     }
 
     /// Prompt positions before the first fact position: the fact-free
     /// common prefix of the full and masked prompts.
     pub fn common_prefix_len(&self) -> usize {
-        self.prefix_ids.len() + self.fact_region.first().copied().unwrap_or(self.full_passage.len())
+        self.prefix_ids.len()
+            + self
+                .fact_region
+                .first()
+                .copied()
+                .unwrap_or(self.full_passage.len())
     }
 
     /// The passage text as the receiver reads it (after the template prefix).
@@ -155,7 +163,8 @@ fn find_all_ci(hay: &str, needle: &str) -> Vec<(usize, usize)> {
 /// Answer spans (byte ranges of `text`), merged where they overlap, each
 /// extended over one preceding space.
 pub fn answer_spans(text: &str, answers: &[String]) -> Vec<(usize, usize)> {
-    let mut spans: Vec<(usize, usize)> = answers.iter().flat_map(|a| find_all_ci(text, a)).collect();
+    let mut spans: Vec<(usize, usize)> =
+        answers.iter().flat_map(|a| find_all_ci(text, a)).collect();
     spans.sort();
     let mut merged: Vec<(usize, usize)> = Vec::new();
     for (s, e) in spans {
@@ -265,7 +274,10 @@ mod tests {
         assert_eq!(&t[s[1].0..s[1].1], " denver");
         assert_eq!(&t[s[2].0..s[2].1], " DENVER");
         // Overlapping answers merge into one span.
-        let s = answer_spans(" the Denver Broncos won", &["Denver Broncos".into(), "Broncos".into()]);
+        let s = answer_spans(
+            " the Denver Broncos won",
+            &["Denver Broncos".into(), "Broncos".into()],
+        );
         assert_eq!(s, vec![(4, 19)]);
         // Non-ASCII text keeps byte offsets straight.
         let t = " Zürich and ZÜRICH";

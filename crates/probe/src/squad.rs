@@ -52,7 +52,11 @@ pub fn hf_file(split: Split) -> &'static str {
 pub fn resolve_path(explicit: Option<&Path>, split: Split) -> Result<PathBuf> {
     if explicit.is_some_and(|p| p == Path::new("hf")) {
         let cache = tolerable_runtime::hub::hub_cache_dir();
-        return Ok(tolerable_runtime::hub::dataset_file(HF_REPO, hf_file(split), &cache)?);
+        return Ok(tolerable_runtime::hub::dataset_file(
+            HF_REPO,
+            hf_file(split),
+            &cache,
+        )?);
     }
     let base = match explicit {
         Some(p) => p.to_path_buf(),
@@ -62,7 +66,11 @@ pub fn resolve_path(explicit: Option<&Path>, split: Split) -> Result<PathBuf> {
             ))
         })?,
     };
-    let file = if base.is_dir() { base.join(split.file_name()) } else { base };
+    let file = if base.is_dir() {
+        base.join(split.file_name())
+    } else {
+        base
+    };
     if !file.exists() {
         return Err(ProbeError::Dataset {
             path: file,
@@ -167,7 +175,8 @@ pub fn load_parquet(path: &Path) -> Result<Vec<QaItem>> {
         reason,
     };
     let file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
-    let reader = SerializedFileReader::new(file).map_err(|e| bad(format!("not a parquet file: {e}")))?;
+    let reader =
+        SerializedFileReader::new(file).map_err(|e| bad(format!("not a parquet file: {e}")))?;
     let rows = reader.get_row_iter(None).map_err(|e| bad(e.to_string()))?;
     let mut items = Vec::new();
     for row in rows {
@@ -198,7 +207,9 @@ pub fn load_parquet(path: &Path) -> Result<Vec<QaItem>> {
             }
         }
         let (Some(id), Some(context), Some(question)) = (id, context, question) else {
-            return Err(bad("a row lacks id, context or question (not the rajpurkar/squad layout)".into()));
+            return Err(bad(
+                "a row lacks id, context or question (not the rajpurkar/squad layout)".into(),
+            ));
         };
         if answers.is_empty() {
             continue;
@@ -234,22 +245,44 @@ mod tests {
 
     #[test]
     fn malformed_and_empty_files_are_named() {
-        let e = parse("{not json", Path::new("bad.json")).unwrap_err().to_string();
-        assert!(e.contains("bad.json") && e.contains("not SQuAD JSON"), "{e}");
-        let e = parse(r#"{"data":[]}"#, Path::new("empty.json")).unwrap_err().to_string();
-        assert!(e.contains("empty.json") && e.contains("no answerable"), "{e}");
-        let e = load(Path::new("/nonexistent/squad.json")).unwrap_err().to_string();
+        let e = parse("{not json", Path::new("bad.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("bad.json") && e.contains("not SQuAD JSON"),
+            "{e}"
+        );
+        let e = parse(r#"{"data":[]}"#, Path::new("empty.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("empty.json") && e.contains("no answerable"),
+            "{e}"
+        );
+        let e = load(Path::new("/nonexistent/squad.json"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("/nonexistent/squad.json"), "{e}");
     }
 
     #[test]
     fn reads_the_hugging_face_parquet_layout() {
-        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/squad-hf-layout.parquet");
+        let p =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/squad-hf-layout.parquet");
         let items = load(&p).unwrap();
         assert_eq!(items.len(), 3);
-        assert_eq!(items[1].answers, vec!["the Osk river".to_string(), "Osk".to_string()]);
+        assert_eq!(
+            items[1].answers,
+            vec!["the Osk river".to_string(), "Osk".to_string()]
+        );
         assert_eq!(items[2].title, "Quorin");
-        let e = load_parquet(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml").as_path()).unwrap_err().to_string();
+        let e = load_parquet(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("Cargo.toml")
+                .as_path(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("not a parquet file"), "{e}");
     }
 
@@ -258,12 +291,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let commit = "89abcdef0123456789abcdef0123456789abcdef";
         let repo_dir = dir.path().join("datasets--rajpurkar--squad");
-        let file = repo_dir.join("snapshots").join(commit).join(hf_file(Split::Dev));
+        let file = repo_dir
+            .join("snapshots")
+            .join(commit)
+            .join(hf_file(Split::Dev));
         std::fs::create_dir_all(file.parent().unwrap()).unwrap();
-        std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/squad-hf-layout.parquet"), &file).unwrap();
+        std::fs::copy(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/squad-hf-layout.parquet"),
+            &file,
+        )
+        .unwrap();
         std::fs::create_dir_all(repo_dir.join("refs")).unwrap();
         std::fs::write(repo_dir.join("refs/main"), commit).unwrap();
-        let p = tolerable_runtime::hub::dataset_file(HF_REPO, hf_file(Split::Dev), dir.path()).unwrap();
+        let p =
+            tolerable_runtime::hub::dataset_file(HF_REPO, hf_file(Split::Dev), dir.path()).unwrap();
         assert_eq!(p, file);
         assert_eq!(load(&p).unwrap().len(), 3);
     }
@@ -274,7 +315,10 @@ mod tests {
         let p = resolve_path(Some(&dir), Split::Dev).unwrap();
         let items = load(&p).unwrap();
         assert!(items.len() > 8000, "{}", items.len());
-        let sb = items.iter().find(|i| i.context.starts_with("Super Bowl 50 was")).unwrap();
+        let sb = items
+            .iter()
+            .find(|i| i.context.starts_with("Super Bowl 50 was"))
+            .unwrap();
         assert!(sb.answers.iter().any(|a| a.contains("Denver Broncos")) || !sb.answers.is_empty());
     }
 }

@@ -5,13 +5,40 @@
 use crate::item::QaItem;
 use crate::rng::Rng;
 
-const ONSETS: &[&str] = &["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kl", "tr", "st", "gr"];
+const ONSETS: &[&str] = &[
+    "b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kl", "tr",
+    "st", "gr",
+];
 const VOWELS: &[&str] = &["a", "e", "i", "o", "u", "ae", "io", "ou"];
 const CODAS: &[&str] = &["", "n", "r", "l", "s", "th", "m", "x", "nd", "rk"];
-const PLACE_SUFFIX: &[&str] = &["ford", "holm", "vale", "burg", "mouth", "wick", "stead", "haven"];
-const ORG_KIND: &[&str] = &["Society", "Institute", "Company", "Guild", "Observatory", "Academy"];
-const FIELDS: &[&str] = &["glass", "maps", "clocks", "bridges", "textiles", "lenses", "ships", "music"];
-const MONTHS: &[&str] = &["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+const PLACE_SUFFIX: &[&str] = &[
+    "ford", "holm", "vale", "burg", "mouth", "wick", "stead", "haven",
+];
+const ORG_KIND: &[&str] = &[
+    "Society",
+    "Institute",
+    "Company",
+    "Guild",
+    "Observatory",
+    "Academy",
+];
+const FIELDS: &[&str] = &[
+    "glass", "maps", "clocks", "bridges", "textiles", "lenses", "ships", "music",
+];
+const MONTHS: &[&str] = &[
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
 
 fn word(rng: &mut Rng, syllables: usize) -> String {
     let mut w = String::new();
@@ -67,11 +94,29 @@ pub fn generate(n: usize, seed: u64) -> Vec<QaItem> {
             p = f.person, b = f.birthplace, m = f.month, y = f.year, fld = f.field, o = f.org, c = f.city, s = f.successor
         );
         let qa: [(String, String); 5] = [
-            (format!("Where was {} born?", f.person), f.birthplace.clone()),
-            (format!("In what year was {} born?", f.person), f.year.to_string()),
-            (format!("What organisation did {} found?", f.person), format!("the {}", f.org)),
-            (format!("In which city was the organisation founded by {} located?", f.person), f.city.clone()),
-            (format!("Who took over leadership after {} retired?", f.person), f.successor.clone()),
+            (
+                format!("Where was {} born?", f.person),
+                f.birthplace.clone(),
+            ),
+            (
+                format!("In what year was {} born?", f.person),
+                f.year.to_string(),
+            ),
+            (
+                format!("What organisation did {} found?", f.person),
+                format!("the {}", f.org),
+            ),
+            (
+                format!(
+                    "In which city was the organisation founded by {} located?",
+                    f.person
+                ),
+                f.city.clone(),
+            ),
+            (
+                format!("Who took over leadership after {} retired?", f.person),
+                f.successor.clone(),
+            ),
         ];
         let (q, a) = qa[rng.below(qa.len())].clone();
         // Invented words can collide; keep only items whose answer is absent from the question.

@@ -61,15 +61,28 @@ fn segment_tokenization_matches_running_text() {
     // tokenization with the space kept in the answer segment gives exactly the
     // ids of the whole prompt tokenized at once (87 tokens).
     let Some(tk) = qwen_tokenizer() else { return };
-    let ctx = SQUAD_PROMPT.strip_prefix("Context: ").unwrap().split("\nQuestion:").next().unwrap();
-    let it = item(ctx, "Which NFL team represented the AFC at Super Bowl 50?", &["Denver Broncos"]);
+    let ctx = SQUAD_PROMPT
+        .strip_prefix("Context: ")
+        .unwrap()
+        .split("\nQuestion:")
+        .next()
+        .unwrap();
+    let it = item(
+        ctx,
+        "Which NFL team represented the AFC at Super Bowl 50?",
+        &["Denver Broncos"],
+    );
     let s = kept(SplitItem::build(&it, &tk, &SplitOptions::default()).unwrap());
     assert_eq!(s.full_prompt(), tk.encode(SQUAD_PROMPT).unwrap());
     assert_eq!(s.full_prompt().len(), 87);
     let filler = tk.encode_fragment("_").unwrap()[0];
     check_alignment(&s, filler);
     assert_eq!(s.fact_region.len(), 2); // " Denver", " Broncos"
-    assert_eq!(tk.decode(&s.full_passage[s.fact_region[0]..=s.fact_region[1]]).unwrap(), " Denver Broncos");
+    assert_eq!(
+        tk.decode(&s.full_passage[s.fact_region[0]..=s.fact_region[1]])
+            .unwrap(),
+        " Denver Broncos"
+    );
 }
 
 #[test]
@@ -78,28 +91,79 @@ fn repeated_start_end_and_multi_token_answers() {
     let filler = tk.encode_fragment("_").unwrap()[0];
     let o = SplitOptions::default();
     // Repeated, in three cases.
-    let s = kept(SplitItem::build(&item("Denver won. Later, Denver lost to DENVER again.", "Who won?", &["Denver"]), &tk, &o).unwrap());
+    let s = kept(
+        SplitItem::build(
+            &item(
+                "Denver won. Later, Denver lost to DENVER again.",
+                "Who won?",
+                &["Denver"],
+            ),
+            &tk,
+            &o,
+        )
+        .unwrap(),
+    );
     check_alignment(&s, filler);
     assert_eq!(s.n_answer_spans, 3);
     assert!(s.fact_region.len() >= 3); // " DENVER" may take two tokens
-    // At passage start: the first passage token is masked.
-    let s = kept(SplitItem::build(&item("Marenholm is the capital of Veltra.", "What is the capital of Veltra?", &["Marenholm"]), &tk, &o).unwrap());
+                                       // At passage start: the first passage token is masked.
+    let s = kept(
+        SplitItem::build(
+            &item(
+                "Marenholm is the capital of Veltra.",
+                "What is the capital of Veltra?",
+                &["Marenholm"],
+            ),
+            &tk,
+            &o,
+        )
+        .unwrap(),
+    );
     check_alignment(&s, filler);
     assert_eq!(s.fact_region[0], 0);
     assert_eq!(s.common_prefix_len(), s.prefix_ids.len());
     // At passage end (no final punctuation): the last passage tokens are masked.
-    let s = kept(SplitItem::build(&item("The capital of Veltra is Marenholm", "What is the capital of Veltra?", &["Marenholm"]), &tk, &o).unwrap());
+    let s = kept(
+        SplitItem::build(
+            &item(
+                "The capital of Veltra is Marenholm",
+                "What is the capital of Veltra?",
+                &["Marenholm"],
+            ),
+            &tk,
+            &o,
+        )
+        .unwrap(),
+    );
     check_alignment(&s, filler);
     // The passage ends with the answer, then the newline that opens the question.
-    assert_eq!(tk.decode(&s.full_passage[s.full_passage.len() - 1..]).unwrap(), "\n");
+    assert_eq!(
+        tk.decode(&s.full_passage[s.full_passage.len() - 1..])
+            .unwrap(),
+        "\n"
+    );
     assert_eq!(*s.fact_region.last().unwrap(), s.full_passage.len() - 2);
     // Multi-token answer, two gold answers overlapping.
-    let s = kept(SplitItem::build(&item("The Carolina Panthers lost 24–10 in Santa Clara, California.", "Who lost?", &["Carolina Panthers", "Panthers"]), &tk, &o).unwrap());
+    let s = kept(
+        SplitItem::build(
+            &item(
+                "The Carolina Panthers lost 24–10 in Santa Clara, California.",
+                "Who lost?",
+                &["Carolina Panthers", "Panthers"],
+            ),
+            &tk,
+            &o,
+        )
+        .unwrap(),
+    );
     check_alignment(&s, filler);
     assert_eq!(s.n_answer_spans, 1);
     assert!(s.fact_region.len() >= 2);
     let st = s.fact_region[0];
-    assert_eq!(s.fact_region, (st..st + s.fact_region.len()).collect::<Vec<_>>());
+    assert_eq!(
+        s.fact_region,
+        (st..st + s.fact_region.len()).collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -107,14 +171,39 @@ fn drops_and_errors() {
     let Some(tk) = qwen_tokenizer() else { return };
     let o = SplitOptions::default();
     let b = SplitItem::build(&item("Paris is big.", "Is Paris big?", &["Paris"]), &tk, &o).unwrap();
-    assert!(matches!(b, Built::Dropped(DropReason::QuestionContainsAnswer)));
-    let short = SplitOptions { max_prompt_tokens: 10, ..SplitOptions::default() };
-    let b = SplitItem::build(&item("Paris is a big city in France, on the Seine.", "Where?", &["France"]), &tk, &short).unwrap();
+    assert!(matches!(
+        b,
+        Built::Dropped(DropReason::QuestionContainsAnswer)
+    ));
+    let short = SplitOptions {
+        max_prompt_tokens: 10,
+        ..SplitOptions::default()
+    };
+    let b = SplitItem::build(
+        &item(
+            "Paris is a big city in France, on the Seine.",
+            "Where?",
+            &["France"],
+        ),
+        &tk,
+        &short,
+    )
+    .unwrap();
     assert!(matches!(b, Built::Dropped(DropReason::TooLong)));
-    let e = SplitItem::build(&item("Paris is big.", "Where?", &["Lyon"]), &tk, &o).unwrap_err().to_string();
-    assert!(e.contains("no gold answer occurs in the passage") && e.contains("Lyon"), "{e}");
-    let bad = SplitOptions { filler: "unbelievably".into(), ..SplitOptions::default() };
-    let e = SplitItem::build(&item("Paris is big.", "Where?", &["Paris"]), &tk, &bad).unwrap_err().to_string();
+    let e = SplitItem::build(&item("Paris is big.", "Where?", &["Lyon"]), &tk, &o)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no gold answer occurs in the passage") && e.contains("Lyon"),
+        "{e}"
+    );
+    let bad = SplitOptions {
+        filler: "unbelievably".into(),
+        ..SplitOptions::default()
+    };
+    let e = SplitItem::build(&item("Paris is big.", "Where?", &["Paris"]), &tk, &bad)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("must be exactly one"), "{e}");
     let items = synthetic::generate(5, 1);
     let e = sample(&items, &tk, &o, 10, 1).unwrap_err().to_string();
@@ -126,7 +215,8 @@ fn drops_and_errors() {
 #[test]
 fn squad_dev_sample_is_aligned_and_seeded() {
     let Some(tk) = qwen_tokenizer() else { return };
-    let items = squad::load(&squad::resolve_path(Some(&squad_dir()), squad::Split::Dev).unwrap()).unwrap();
+    let items =
+        squad::load(&squad::resolve_path(Some(&squad_dir()), squad::Split::Dev).unwrap()).unwrap();
     let o = SplitOptions::default();
     let a = sample(&items, &tk, &o, 40, 17).unwrap();
     assert_eq!(a.items.len(), 40);
@@ -137,17 +227,29 @@ fn squad_dev_sample_is_aligned_and_seeded() {
         check_alignment(s, filler);
         assert!(s.full_prompt().len() <= o.max_prompt_tokens);
         // The passage is a prefix: the prompt starts with the template prefix and passage.
-        assert_eq!(&s.full_prompt()[..s.context_len()], &[&s.prefix_ids[..], &s.full_passage].concat()[..]);
+        assert_eq!(
+            &s.full_prompt()[..s.context_len()],
+            &[&s.prefix_ids[..], &s.full_passage].concat()[..]
+        );
         let sites = controls::position_control_sites(s);
-        assert!(sites.iter().all(|&p| p >= s.prefix_ids.len() && p < s.common_prefix_len()));
+        assert!(sites
+            .iter()
+            .all(|&p| p >= s.prefix_ids.len() && p < s.common_prefix_len()));
     }
 }
 
 #[test]
 fn chat_template_keeps_the_passage_a_prefix_region() {
     let Some(tk) = qwen_tokenizer() else { return };
-    let o = SplitOptions { template: Template::Chat, ..SplitOptions::default() };
-    let it = item("Marenholm is the capital of Veltra.", "What is the capital of Veltra?", &["Marenholm"]);
+    let o = SplitOptions {
+        template: Template::Chat,
+        ..SplitOptions::default()
+    };
+    let it = item(
+        "Marenholm is the capital of Veltra.",
+        "What is the capital of Veltra?",
+        &["Marenholm"],
+    );
     let s = kept(SplitItem::build(&it, &tk, &o).unwrap());
     let text = tk.decode(&s.full_prompt()).unwrap();
     assert!(text.starts_with("<|im_start|>system"), "{text}");

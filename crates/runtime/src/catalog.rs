@@ -84,10 +84,13 @@ pub const MODELS: &[ModelSpec] = &[
 
 /// The catalog entry for `id`, or an error listing the known ids.
 pub fn spec(id: &str) -> Result<&'static ModelSpec> {
-    MODELS.iter().find(|m| m.id == id).ok_or_else(|| RuntimeError::UnknownModel {
-        id: id.to_string(),
-        known: MODELS.iter().map(|m| m.id).collect::<Vec<_>>().join(", "),
-    })
+    MODELS
+        .iter()
+        .find(|m| m.id == id)
+        .ok_or_else(|| RuntimeError::UnknownModel {
+            id: id.to_string(),
+            known: MODELS.iter().map(|m| m.id).collect::<Vec<_>>().join(", "),
+        })
 }
 
 /// The cache root: `$TOLERABLE_CACHE`, else `$XDG_CACHE_HOME/tolerable`, else
@@ -99,7 +102,9 @@ pub fn cache_root() -> PathBuf {
     if let Some(p) = std::env::var_os("XDG_CACHE_HOME").filter(|p| !p.is_empty()) {
         return PathBuf::from(p).join("tolerable");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
     home.join(".cache").join("tolerable")
 }
 
@@ -144,7 +149,10 @@ pub fn verify(path: &Path, spec: &ModelSpec) -> Result<()> {
     if len != spec.size {
         return Err(RuntimeError::ModelFile {
             path: path.to_path_buf(),
-            reason: format!("size {len} bytes, expected {} (truncated or wrong file)", spec.size),
+            reason: format!(
+                "size {len} bytes, expected {} (truncated or wrong file)",
+                spec.size
+            ),
         });
     }
     let actual = sha256_file(path)?;
@@ -180,9 +188,13 @@ pub fn fetch(id: &str, root: &Path) -> Result<PathBuf> {
     let wheels_dir = root.join("wheels").join(spec.id);
     std::fs::create_dir_all(&wheels_dir)?;
     let packages: Vec<String> = match spec.source {
-        WheelSource::Parts { prefix, count, version } => {
-            (1..=count).map(|i| format!("{prefix}{i}=={version}")).collect()
-        }
+        WheelSource::Parts {
+            prefix,
+            count,
+            version,
+        } => (1..=count)
+            .map(|i| format!("{prefix}{i}=={version}"))
+            .collect(),
         WheelSource::Whole { package, version } => vec![format!("{package}=={version}")],
     };
     for (i, pkg) in packages.iter().enumerate() {
@@ -203,14 +215,21 @@ pub fn fetch(id: &str, root: &Path) -> Result<PathBuf> {
             WheelSource::Parts { .. } => {
                 let mut parts: Vec<(u32, PathBuf, String)> = Vec::new();
                 for w in &wheels {
-                    for (n, name) in zip_members(w)?.into_iter().filter_map(|m| part_number(&m).map(|n| (n, m))) {
+                    for (n, name) in zip_members(w)?
+                        .into_iter()
+                        .filter_map(|m| part_number(&m).map(|n| (n, m)))
+                    {
                         parts.push((n, w.clone(), name));
                     }
                 }
                 parts.sort_by_key(|p| p.0);
                 for (idx, (n, _, _)) in parts.iter().enumerate() {
                     if *n as usize != idx + 1 {
-                        return Err(fail(format!("parts are not 1..{}: found part {n} at place {}", parts.len(), idx + 1)));
+                        return Err(fail(format!(
+                            "parts are not 1..{}: found part {n} at place {}",
+                            parts.len(),
+                            idx + 1
+                        )));
                     }
                 }
                 for (_, w, name) in &parts {
@@ -231,11 +250,15 @@ pub fn fetch(id: &str, root: &Path) -> Result<PathBuf> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        tmp.as_file().set_permissions(std::fs::Permissions::from_mode(0o644))?;
+        tmp.as_file()
+            .set_permissions(std::fs::Permissions::from_mode(0o644))?;
     }
     let actual = hex(&hasher.finalize());
     if written != spec.size {
-        return Err(fail(format!("assembled {written} bytes, expected {}", spec.size)));
+        return Err(fail(format!(
+            "assembled {written} bytes, expected {}",
+            spec.size
+        )));
     }
     if actual != spec.sha256 {
         return Err(RuntimeError::Checksum {
@@ -244,7 +267,8 @@ pub fn fetch(id: &str, root: &Path) -> Result<PathBuf> {
             actual,
         });
     }
-    tmp.persist(&dest).map_err(|e| fail(format!("rename into place: {e}")))?;
+    tmp.persist(&dest)
+        .map_err(|e| fail(format!("rename into place: {e}")))?;
     // The wheels are only a vehicle; the verified file is what we keep.
     let _ = std::fs::remove_dir_all(&wheels_dir);
     Ok(dest)
@@ -253,7 +277,15 @@ pub fn fetch(id: &str, root: &Path) -> Result<PathBuf> {
 fn pip_download(pkg: &str, dir: &Path) -> std::result::Result<(), String> {
     let python = std::env::var("TOLERABLE_PYTHON").unwrap_or_else(|_| "python3".into());
     let out = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+        ])
         .arg(dir)
         .arg(pkg)
         .output()
@@ -277,7 +309,11 @@ fn wheel_files(dir: &Path, packages: &[String]) -> Result<Vec<PathBuf>> {
             let stem = format!("{}-{ver}-", name.replace('-', "_"));
             entries
                 .iter()
-                .find(|p| p.file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with(&stem)))
+                .find(|p| {
+                    p.file_name()
+                        .and_then(|f| f.to_str())
+                        .is_some_and(|f| f.starts_with(&stem))
+                })
                 .cloned()
                 .ok_or_else(|| RuntimeError::Fetch {
                     id: pkg.clone(),
@@ -306,10 +342,17 @@ fn part_number(name: &str) -> Option<u32> {
     if parent != "data" {
         return None;
     }
-    file.strip_prefix("part")?.strip_suffix(".bin")?.parse().ok()
+    file.strip_prefix("part")?
+        .strip_suffix(".bin")?
+        .parse()
+        .ok()
 }
 
-fn copy_member(w: &Path, name: &str, sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Result<()> {
+fn copy_member(
+    w: &Path,
+    name: &str,
+    sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+) -> Result<()> {
     let mut z = zip::ZipArchive::new(std::fs::File::open(w)?).map_err(|e| zip_err(w, e))?;
     let mut f = z.by_name(name).map_err(|e| zip_err(w, e))?;
     let mut buf = vec![0u8; 1 << 20];
@@ -337,7 +380,10 @@ mod tests {
     #[test]
     fn unknown_id_lists_the_known_ones() {
         let e = spec("gpt-5").unwrap_err().to_string();
-        assert!(e.contains("gpt-5") && e.contains("qwen2.5-coder-0.5b-instruct"), "{e}");
+        assert!(
+            e.contains("gpt-5") && e.contains("qwen2.5-coder-0.5b-instruct"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -348,12 +394,18 @@ mod tests {
             file_name: "t.gguf",
             size: 5,
             sha256: "00",
-            source: WheelSource::Whole { package: "x", version: "1" },
+            source: WheelSource::Whole {
+                package: "x",
+                version: "1",
+            },
         };
         let p = dir.path().join("t.gguf");
         std::fs::write(&p, b"hello").unwrap();
         let e = verify(&p, &s).unwrap_err().to_string();
-        assert!(e.contains("sha256 mismatch") && e.contains("2cf24dba"), "{e}");
+        assert!(
+            e.contains("sha256 mismatch") && e.contains("2cf24dba"),
+            "{e}"
+        );
         std::fs::write(&p, b"hell").unwrap();
         let e = verify(&p, &s).unwrap_err().to_string();
         assert!(e.contains("size 4 bytes"), "{e}");
@@ -370,13 +422,23 @@ mod tests {
             let f = std::fs::File::create(wheels.join(name)).unwrap();
             let mut z = zip::ZipWriter::new(f);
             for (m, data) in members {
-                z.start_file(*m, zip::write::SimpleFileOptions::default()).unwrap();
+                z.start_file(*m, zip::write::SimpleFileOptions::default())
+                    .unwrap();
                 z.write_all(data).unwrap();
             }
             z.finish().unwrap();
         };
-        mk("fake_part1-1.0-py3-none-any.whl", &[("fake_part1/data/part10.bin", b"J"), ("fake_part1/data/part02.bin", b"B")]);
-        mk("fake_part2-1.0-py3-none-any.whl", &[("fake_part2/data/part01.bin", b"A")]);
+        mk(
+            "fake_part1-1.0-py3-none-any.whl",
+            &[
+                ("fake_part1/data/part10.bin", b"J"),
+                ("fake_part1/data/part02.bin", b"B"),
+            ],
+        );
+        mk(
+            "fake_part2-1.0-py3-none-any.whl",
+            &[("fake_part2/data/part01.bin", b"A")],
+        );
         let pk = vec!["fake-part1==1.0".to_string(), "fake-part2==1.0".to_string()];
         let ws = wheel_files(&wheels, &pk).unwrap();
         let mut parts = Vec::new();

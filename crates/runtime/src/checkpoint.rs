@@ -57,7 +57,13 @@ impl Checkpoint {
     }
 
     /// Loads a GGUF file with the tokenizer from its metadata.
-    pub fn load_gguf(id: &str, path: &Path, sha256: Option<String>, precision: Precision, device: &Device) -> Result<Self> {
+    pub fn load_gguf(
+        id: &str,
+        path: &Path,
+        sha256: Option<String>,
+        precision: Precision,
+        device: &Device,
+    ) -> Result<Self> {
         let model = Model::from_gguf(path, precision, device)?;
         let mut f = std::fs::File::open(path)?;
         let ct = gguf_file::Content::read(&mut f).map_err(|e| RuntimeError::ModelFile {

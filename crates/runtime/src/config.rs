@@ -100,13 +100,13 @@ impl ModelConfig {
             Ok(d) => d as usize,
             Err(_) => d_model / n_heads,
         };
-        let embd = ct
-            .tensor_infos
-            .get("token_embd.weight")
-            .ok_or_else(|| RuntimeError::Tensor {
-                name: "token_embd.weight".into(),
-                reason: "absent".into(),
-            })?;
+        let embd =
+            ct.tensor_infos
+                .get("token_embd.weight")
+                .ok_or_else(|| RuntimeError::Tensor {
+                    name: "token_embd.weight".into(),
+                    reason: "absent".into(),
+                })?;
         let vocab_size = embd.shape.dims()[0];
         // llama.cpp permutes llama q/k weights into the interleaved RoPE
         // layout when writing GGUF; qwen2 is written in the NeoX layout.

@@ -21,7 +21,8 @@ pub fn parity_prompts() -> Vec<String> {
     vec![
         SQUAD_PROMPT.to_string(),
         "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n".to_string(),
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n".to_string(),
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+            .to_string(),
         "Le café de la gare, près de Zürich — 東京から来た友達と話した。".to_string(),
         "The quick brown fox jumps over the lazy dog. The dog".to_string(),
     ]
@@ -73,15 +74,28 @@ pub fn parity(ck: &Checkpoint, prompts: &[String], n_new: usize) -> Result<Parit
     for p in prompts {
         let ids = ck.tokenizer.encode(p)?;
         let mut cache = model.new_cache(1);
-        let fwd = model.forward(&model.tokens(&[ids.clone()])?, &mut cache, &HookSpec::new(), LogitsAt::All)?;
+        let fwd = model.forward(
+            &model.tokens(&[ids.clone()])?,
+            &mut cache,
+            &HookSpec::new(),
+            LogitsAt::All,
+        )?;
         let ours_logits = fwd.logits.expect("logits").squeeze(0)?;
         let ref_logits = reference.logits_per_position(&ids)?;
-        let diff = (&ours_logits - &ref_logits)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let diff = (&ours_logits - &ref_logits)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
         let a: Vec<u32> = ours_logits.argmax(1)?.to_vec1()?;
         let b: Vec<u32> = ref_logits.argmax(1)?.to_vec1()?;
         let agree = a.iter().zip(&b).filter(|(x, y)| x == y).count();
         let mut cache = model.new_cache(1);
-        let g = model.generate(&[ids.clone()], &mut cache, &crate::GreedyOptions::tokens(n_new))?;
+        let g = model.generate(
+            &[ids.clone()],
+            &mut cache,
+            &crate::GreedyOptions::tokens(n_new),
+        )?;
         let ours = ck.tokenizer.decode(&g.tokens[0])?;
         let reference_ids = reference.greedy(&ids, n_new)?;
         let reference_text = ck.tokenizer.decode(&reference_ids)?;
@@ -142,7 +156,12 @@ pub fn rebuild(model: &Model, ids: &[u32]) -> Result<RebuildReport> {
     let n = model.config().n_layers;
     let spec = HookSpec::new().capture_all((0..n).map(HookPoint::ResidPre));
     let mut cache = model.new_cache(1);
-    let out = model.forward(&model.tokens(&[ids.to_vec()])?, &mut cache, &spec, LogitsAt::None)?;
+    let out = model.forward(
+        &model.tokens(&[ids.to_vec()])?,
+        &mut cache,
+        &spec,
+        LogitsAt::None,
+    )?;
     let (mut mk, mut mv) = (Vec::new(), Vec::new());
     for l in 0..n {
         let resid = out.hooks.require(HookPoint::ResidPre(l))?;
@@ -184,21 +203,33 @@ pub struct IdentityReport {
 /// tensors), runs `suffix` on top and checks the logits bit for bit.
 pub fn identity(model: &Model, prefix: &[u32], suffix: &[u32]) -> Result<IdentityReport> {
     let n = model.config().n_layers;
-    let capture = HookSpec::new().capture_all((0..n).flat_map(|l| [HookPoint::RotK(l), HookPoint::V(l)]));
+    let capture =
+        HookSpec::new().capture_all((0..n).flat_map(|l| [HookPoint::RotK(l), HookPoint::V(l)]));
     let mut native = model.new_cache(1);
-    let cap = model.forward(&model.tokens(&[prefix.to_vec()])?, &mut native, &capture, LogitsAt::None)?;
+    let cap = model.forward(
+        &model.tokens(&[prefix.to_vec()])?,
+        &mut native,
+        &capture,
+        LogitsAt::None,
+    )?;
     // Path 1: replace every layer's keys and values with the captured ones.
     let all: Vec<usize> = (0..prefix.len()).collect();
     let mut inject = HookSpec::new();
     for l in 0..n {
         for p in [HookPoint::RotK(l), HookPoint::V(l)] {
             inject = inject.intervene(
-                Intervention::new(p, Edit::Replace(cap.hooks.require(p)?.clone())).at_positions(all.clone()),
+                Intervention::new(p, Edit::Replace(cap.hooks.require(p)?.clone()))
+                    .at_positions(all.clone()),
             );
         }
     }
     let mut via_hooks = model.new_cache(1);
-    model.forward(&model.tokens(&[prefix.to_vec()])?, &mut via_hooks, &inject, LogitsAt::None)?;
+    model.forward(
+        &model.tokens(&[prefix.to_vec()])?,
+        &mut via_hooks,
+        &inject,
+        LogitsAt::None,
+    )?;
     let mut hook_exact = true;
     for l in 0..n {
         let (a, b) = (native.require_layer(l)?, via_hooks.require_layer(l)?);
@@ -207,12 +238,25 @@ pub fn identity(model: &Model, prefix: &[u32], suffix: &[u32]) -> Result<Identit
     // Path 2: a cache assembled from the captured tensors.
     let mut assembled = native.clone();
     for l in 0..n {
-        assembled.set_layer(l, cap.hooks.require(HookPoint::RotK(l))?.clone(), cap.hooks.require(HookPoint::V(l))?.clone())?;
+        assembled.set_layer(
+            l,
+            cap.hooks.require(HookPoint::RotK(l))?.clone(),
+            cap.hooks.require(HookPoint::V(l))?.clone(),
+        )?;
     }
     let q = model.tokens(&[suffix.to_vec()])?;
-    let a = model.forward(&q, &mut native.clone(), &HookSpec::new(), LogitsAt::All)?.logits.expect("logits");
-    let b = model.forward(&q, &mut assembled, &HookSpec::new(), LogitsAt::All)?.logits.expect("logits");
-    let c = model.forward(&q, &mut via_hooks, &HookSpec::new(), LogitsAt::All)?.logits.expect("logits");
+    let a = model
+        .forward(&q, &mut native.clone(), &HookSpec::new(), LogitsAt::All)?
+        .logits
+        .expect("logits");
+    let b = model
+        .forward(&q, &mut assembled, &HookSpec::new(), LogitsAt::All)?
+        .logits
+        .expect("logits");
+    let c = model
+        .forward(&q, &mut via_hooks, &HookSpec::new(), LogitsAt::All)?
+        .logits
+        .expect("logits");
     let d_ab = max_abs_diff(&a, &b)?;
     let d_ac = max_abs_diff(&a, &c)?;
     let cache_exact = bit_equal(&a, &b)?;

@@ -424,7 +424,12 @@ impl HookSpec {
     }
 
     /// Runs the interventions at `point` on `act`, then captures the result if asked.
-    pub(crate) fn run(&self, point: HookPoint, act: Tensor, cache: &mut HookCache) -> Result<Tensor> {
+    pub(crate) fn run(
+        &self,
+        point: HookPoint,
+        act: Tensor,
+        cache: &mut HookCache,
+    ) -> Result<Tensor> {
         let mut act = act;
         for i in self.interventions.iter().filter(|i| i.point == point) {
             act = i.apply(&act)?;
@@ -450,10 +455,11 @@ impl HookCache {
 
     /// The captured tensor at `point`, or an error naming the missing capture.
     pub fn require(&self, point: HookPoint) -> Result<&Tensor> {
-        self.get(point).ok_or_else(|| RuntimeError::BadIntervention {
-            site: point.to_string(),
-            reason: "was not captured in this forward".into(),
-        })
+        self.get(point)
+            .ok_or_else(|| RuntimeError::BadIntervention {
+                site: point.to_string(),
+                reason: "was not captured in this forward".into(),
+            })
     }
 
     /// Stores a tensor.
@@ -503,7 +509,13 @@ mod tests {
 
     #[test]
     fn bad_names_are_rejected_by_name() {
-        for s in ["blocks.x.hook_resid_pre", "blocks.3.hook_nothing", "resid", "blocks..hook_q", "blocks.-1.hook_resid_pre"] {
+        for s in [
+            "blocks.x.hook_resid_pre",
+            "blocks.3.hook_nothing",
+            "resid",
+            "blocks..hook_q",
+            "blocks.-1.hook_resid_pre",
+        ] {
             let e = s.parse::<HookPoint>().unwrap_err();
             assert!(e.to_string().contains(s), "{e}");
         }
@@ -514,7 +526,10 @@ mod tests {
         let spec = HookSpec::new().capture(HookPoint::ResidPre(30));
         let e = spec.validate(24).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("blocks.30.hook_resid_pre") && msg.contains("24"), "{msg}");
+        assert!(
+            msg.contains("blocks.30.hook_resid_pre") && msg.contains("24"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -527,17 +542,29 @@ mod tests {
             .at_positions(vec![1])
             .at_heads(vec![1]);
         let out = i.apply(&act)?.flatten_all()?.to_vec1::<f32>()?;
-        assert_eq!(out, vec![0., 1., 2., 3., 4., 5., 6., 7., 100., 100., 10., 11.]);
-        let add = Intervention::new(HookPoint::ResidPre(0), Edit::Add(Tensor::ones((1, 1, 2), DType::F32, &dev)?))
-            .at_positions(vec![0]);
+        assert_eq!(
+            out,
+            vec![0., 1., 2., 3., 4., 5., 6., 7., 100., 100., 10., 11.]
+        );
+        let add = Intervention::new(
+            HookPoint::ResidPre(0),
+            Edit::Add(Tensor::ones((1, 1, 2), DType::F32, &dev)?),
+        )
+        .at_positions(vec![0]);
         let act2 = Tensor::zeros((1, 2, 2), DType::F32, &dev)?;
         let out = add.apply(&act2)?.flatten_all()?.to_vec1::<f32>()?;
         assert_eq!(out, vec![1., 1., 0., 0.]);
         let interp = Intervention::new(
             HookPoint::ResidPre(0),
-            Edit::Interpolate { alpha: 0.25, source: Tensor::full(4f32, (1, 2, 2), &dev)? },
+            Edit::Interpolate {
+                alpha: 0.25,
+                source: Tensor::full(4f32, (1, 2, 2), &dev)?,
+            },
         );
-        assert_eq!(interp.apply(&act2)?.flatten_all()?.to_vec1::<f32>()?, vec![1.; 4]);
+        assert_eq!(
+            interp.apply(&act2)?.flatten_all()?.to_vec1::<f32>()?,
+            vec![1.; 4]
+        );
         Ok(())
     }
 
@@ -546,8 +573,16 @@ mod tests {
         let dev = Device::Cpu;
         let act = Tensor::zeros((1, 2, 4), DType::F32, &dev).unwrap();
         let i = Intervention::new(HookPoint::ResidPre(0), Edit::Zero).at_positions(vec![5]);
-        assert!(i.apply(&act).unwrap_err().to_string().contains("position 5"));
+        assert!(i
+            .apply(&act)
+            .unwrap_err()
+            .to_string()
+            .contains("position 5"));
         let j = Intervention::new(HookPoint::ResidPre(0), Edit::Zero).at_heads(vec![0]);
-        assert!(j.apply(&act).unwrap_err().to_string().contains("no head axis"));
+        assert!(j
+            .apply(&act)
+            .unwrap_err()
+            .to_string()
+            .contains("no head axis"));
     }
 }

@@ -45,15 +45,22 @@ fn shard_names(index: Option<&Path>) -> Result<Vec<String>> {
         return Ok(vec!["model.safetensors".into()]);
     };
     let text = std::fs::read_to_string(index)?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| RuntimeError::ModelFile {
-        path: index.to_path_buf(),
-        reason: e.to_string(),
-    })?;
-    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| RuntimeError::ModelFile {
-        path: index.to_path_buf(),
-        reason: "no weight_map".into(),
-    })?;
-    let mut names: Vec<String> = map.values().filter_map(|s| s.as_str().map(String::from)).collect();
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| RuntimeError::ModelFile {
+            path: index.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| RuntimeError::ModelFile {
+            path: index.to_path_buf(),
+            reason: "no weight_map".into(),
+        })?;
+    let mut names: Vec<String> = map
+        .values()
+        .filter_map(|s| s.as_str().map(String::from))
+        .collect();
     names.sort();
     names.dedup();
     Ok(names)
@@ -64,8 +71,12 @@ pub fn from_cache(repo: &str, cache_dir: &Path) -> Result<HfCheckpoint> {
     let cache = Cache::new(cache_dir.to_path_buf());
     let r = cache.repo(Repo::model(repo.to_string()));
     let need = |f: &str| {
-        r.get(f)
-            .ok_or_else(|| fail(repo, format!("`{f}` is not in the hub cache at {}", cache_dir.display())))
+        r.get(f).ok_or_else(|| {
+            fail(
+                repo,
+                format!("`{f}` is not in the hub cache at {}", cache_dir.display()),
+            )
+        })
     };
     let config = need("config.json")?;
     let tokenizer = need("tokenizer.json")?;
@@ -120,11 +131,20 @@ pub fn fetch(repo: &str, cache_dir: &Path) -> Result<HfCheckpoint> {
 /// (never under `HF_HUB_OFFLINE=1`).
 pub fn dataset_file(repo: &str, filename: &str, cache_dir: &Path) -> Result<PathBuf> {
     let cache = Cache::new(cache_dir.to_path_buf());
-    if let Some(p) = cache.repo(Repo::new(repo.to_string(), RepoType::Dataset)).get(filename) {
+    if let Some(p) = cache
+        .repo(Repo::new(repo.to_string(), RepoType::Dataset))
+        .get(filename)
+    {
         return Ok(p);
     }
     if std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1") {
-        return Err(fail(repo, format!("`{filename}` is not in the hub cache at {} (offline)", cache_dir.display())));
+        return Err(fail(
+            repo,
+            format!(
+                "`{filename}` is not in the hub cache at {} (offline)",
+                cache_dir.display()
+            ),
+        ));
     }
     let api = hf_hub::api::sync::ApiBuilder::new()
         .with_cache_dir(cache_dir.to_path_buf())

@@ -237,7 +237,11 @@ impl KvCache {
         if start + len > self.len() {
             return Err(RuntimeError::BadIntervention {
                 site: "kv cache narrow".into(),
-                reason: format!("entries {start}..{} outside a cache of {}", start + len, self.len()),
+                reason: format!(
+                    "entries {start}..{} outside a cache of {}",
+                    start + len,
+                    self.len()
+                ),
             });
         }
         let mut layers = Vec::with_capacity(self.layers.len());
@@ -281,10 +285,12 @@ impl KvCache {
 
     /// Stacks caches of equal layout along the batch axis, so one forward serves them all.
     pub fn stack(caches: &[&KvCache]) -> Result<KvCache> {
-        let first = caches.first().ok_or_else(|| RuntimeError::BadIntervention {
-            site: "kv cache stack".into(),
-            reason: "no caches to stack".into(),
-        })?;
+        let first = caches
+            .first()
+            .ok_or_else(|| RuntimeError::BadIntervention {
+                site: "kv cache stack".into(),
+                reason: "no caches to stack".into(),
+            })?;
         for c in caches {
             if c.segments != first.segments
                 || c.next_position != first.next_position
@@ -304,8 +310,14 @@ impl KvCache {
                 layers.push(None);
                 continue;
             }
-            let ks: Vec<&Tensor> = caches.iter().map(|c| &c.layers[l].as_ref().unwrap().k).collect();
-            let vs: Vec<&Tensor> = caches.iter().map(|c| &c.layers[l].as_ref().unwrap().v).collect();
+            let ks: Vec<&Tensor> = caches
+                .iter()
+                .map(|c| &c.layers[l].as_ref().unwrap().k)
+                .collect();
+            let vs: Vec<&Tensor> = caches
+                .iter()
+                .map(|c| &c.layers[l].as_ref().unwrap().v)
+                .collect();
             layers.push(Some(LayerKv {
                 k: Tensor::cat(&ks, 0)?,
                 v: Tensor::cat(&vs, 0)?,

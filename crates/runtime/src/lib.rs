@@ -23,5 +23,5 @@ pub use model::{ForwardOutput, Generation, GreedyOptions, Kernels, LogitsAt, Mod
 pub use weights::{Precision, Proj};
 pub mod tiny;
 pub mod tokenizer;
-pub use tokenizer::Tokenizer;
 pub use checkpoint::Checkpoint;
+pub use tokenizer::Tokenizer;

@@ -52,8 +52,16 @@ pub struct ForwardOutput {
 /// Projections of q, k and v: one fused matrix in f32, three in quantized form.
 #[derive(Debug, Clone)]
 enum Qkv {
-    Fused { w: Proj, b: Option<Tensor> },
-    Split { q: Proj, k: Proj, v: Proj, b: Option<[Tensor; 3]> },
+    Fused {
+        w: Proj,
+        b: Option<Tensor>,
+    },
+    Split {
+        q: Proj,
+        k: Proj,
+        v: Proj,
+        b: Option<[Tensor; 3]>,
+    },
 }
 
 /// Gate and up projections: fused in f32, split in quantized form.
@@ -123,7 +131,11 @@ impl Model {
                     Ok(None)
                 }
             };
-            let (bq, bk, bv) = (bias("attn_q.bias", nq)?, bias("attn_k.bias", nkv)?, bias("attn_v.bias", nkv)?);
+            let (bq, bk, bv) = (
+                bias("attn_q.bias", nq)?,
+                bias("attn_k.bias", nkv)?,
+                bias("attn_v.bias", nkv)?,
+            );
             let qkv = match precision {
                 Precision::F32 => {
                     let w = Tensor::cat(
@@ -138,7 +150,10 @@ impl Model {
                         (Some(a), Some(b), Some(c)) => Some(Tensor::cat(&[a, b, c], 0)?),
                         _ => None,
                     };
-                    Qkv::Fused { w: Proj::Dense(w), b }
+                    Qkv::Fused {
+                        w: Proj::Dense(w),
+                        b,
+                    }
                 }
                 Precision::Quantized => Qkv::Split {
                     q: src.proj(&n("attn_q.weight"), &[nq, d], precision, device)?,
@@ -232,17 +247,34 @@ impl Model {
     }
 
     /// Runs new tokens `[batch, seq]` on top of `cache`, which grows by them.
-    pub fn forward(&self, tokens: &Tensor, cache: &mut KvCache, spec: &HookSpec, logits: LogitsAt) -> Result<ForwardOutput> {
+    pub fn forward(
+        &self,
+        tokens: &Tensor,
+        cache: &mut KvCache,
+        spec: &HookSpec,
+        logits: LogitsAt,
+    ) -> Result<ForwardOutput> {
         let (b, s) = tokens.dims2()?;
         self.check_call(b, s, cache, spec)?;
-        if let Some(&bad) = tokens.flatten_all()?.to_vec1::<u32>()?.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+        if let Some(&bad) = tokens
+            .flatten_all()?
+            .to_vec1::<u32>()?
+            .iter()
+            .find(|&&t| t as usize >= self.cfg.vocab_size)
+        {
             return Err(RuntimeError::BadIntervention {
                 site: "tokens".into(),
-                reason: format!("token id {bad} outside the vocabulary of {}", self.cfg.vocab_size),
+                reason: format!(
+                    "token id {bad} outside the vocabulary of {}",
+                    self.cfg.vocab_size
+                ),
             });
         }
         let mut hc = HookCache::default();
-        let x = self.embed.index_select(&tokens.flatten_all()?, 0)?.reshape((b, s, self.cfg.d_model))?;
+        let x = self
+            .embed
+            .index_select(&tokens.flatten_all()?, 0)?
+            .reshape((b, s, self.cfg.d_model))?;
         let x = self.hook(spec, HookPoint::Embed, x, &mut hc)?;
         let x = self.run_layers(0, x, None, cache, spec, &mut hc)?;
         let logits = self.head(&x, logits, spec, &mut hc)?;
@@ -289,7 +321,14 @@ impl Model {
             });
         }
         let mut hc = HookCache::default();
-        let x = self.run_layers(start_layer, resid_pre.clone(), Some(lower), cache, spec, &mut hc)?;
+        let x = self.run_layers(
+            start_layer,
+            resid_pre.clone(),
+            Some(lower),
+            cache,
+            spec,
+            &mut hc,
+        )?;
         let logits = self.head(&x, logits, spec, &mut hc)?;
         Ok(ForwardOutput { logits, hooks: hc })
     }
@@ -304,13 +343,20 @@ impl Model {
         if b != cache.batch() {
             return Err(RuntimeError::BadIntervention {
                 site: "forward".into(),
-                reason: format!("batch {b} does not match the cache's batch {}", cache.batch()),
+                reason: format!(
+                    "batch {b} does not match the cache's batch {}",
+                    cache.batch()
+                ),
             });
         }
         if cache.n_layers() != self.cfg.n_layers {
             return Err(RuntimeError::BadIntervention {
                 site: "forward".into(),
-                reason: format!("cache has {} layers, the model {}", cache.n_layers(), self.cfg.n_layers),
+                reason: format!(
+                    "cache has {} layers, the model {}",
+                    cache.n_layers(),
+                    self.cfg.n_layers
+                ),
             });
         }
         let need = cache.next_position() + s;
@@ -324,7 +370,13 @@ impl Model {
     }
 
     #[inline]
-    fn hook(&self, spec: &HookSpec, point: HookPoint, t: Tensor, hc: &mut HookCache) -> Result<Tensor> {
+    fn hook(
+        &self,
+        spec: &HookSpec,
+        point: HookPoint,
+        t: Tensor,
+        hc: &mut HookCache,
+    ) -> Result<Tensor> {
         if spec.is_empty() {
             Ok(t)
         } else {
@@ -343,7 +395,11 @@ impl Model {
     ) -> Result<Tensor> {
         let s = x.dim(1)?;
         let pos0 = cache.next_position();
-        let mask = if s > 1 { Some(causal_mask(s, cache.len(), &self.device)?) } else { None };
+        let mask = if s > 1 {
+            Some(causal_mask(s, cache.len(), &self.device)?)
+        } else {
+            None
+        };
         let cos = self.cos.narrow(0, pos0, s)?.contiguous()?;
         let sin = self.sin.narrow(0, pos0, s)?.contiguous()?;
         if let Some(lower) = lower {
@@ -420,7 +476,12 @@ impl Model {
     /// Keys (after RoPE) and values that block `layer` computes from its input
     /// residual `resid_pre` `[batch, seq, d_model]` at positions
     /// `first_position..`: the rebuild gate's recomputation.
-    pub fn rebuild_kv(&self, layer: usize, resid_pre: &Tensor, first_position: usize) -> Result<LayerKv> {
+    pub fn rebuild_kv(
+        &self,
+        layer: usize,
+        resid_pre: &Tensor,
+        first_position: usize,
+    ) -> Result<LayerKv> {
         if layer >= self.cfg.n_layers {
             return Err(RuntimeError::LayerOutOfRange {
                 site: "rebuild_kv".into(),
@@ -484,7 +545,9 @@ impl Model {
         let mut p = self.softmax(&scores)?;
         if spec.touches(Pattern(l)) {
             let pp = p.reshape((b, nh, s, t))?;
-            p = self.hook(spec, Pattern(l), pp, hc)?.reshape((b, nkv, g * s, t))?;
+            p = self
+                .hook(spec, Pattern(l), pp, hc)?
+                .reshape((b, nkv, g * s, t))?;
         }
         let z = p.matmul(&kv.v)?.reshape((b, nh, s, hd))?.transpose(1, 2)?;
         let z = self.hook(spec, Z(l), z, hc)?;
@@ -511,7 +574,13 @@ impl Model {
         self.hook(spec, ResidPost(l), x, hc)
     }
 
-    fn head(&self, x: &Tensor, at: LogitsAt, spec: &HookSpec, hc: &mut HookCache) -> Result<Option<Tensor>> {
+    fn head(
+        &self,
+        x: &Tensor,
+        at: LogitsAt,
+        spec: &HookSpec,
+        hc: &mut HookCache,
+    ) -> Result<Option<Tensor>> {
         let (b, s, d) = x.dims3()?;
         let sel = match at {
             LogitsAt::None => return Ok(None),
@@ -524,7 +593,11 @@ impl Model {
                         reason: format!("position {bad} outside a call of {s} positions"),
                     });
                 }
-                let idx = Tensor::from_vec(p.iter().map(|&i| i as u32).collect::<Vec<_>>(), p.len(), &self.device)?;
+                let idx = Tensor::from_vec(
+                    p.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+                    p.len(),
+                    &self.device,
+                )?;
                 x.index_select(&idx, 1)?
             }
         };
@@ -538,7 +611,12 @@ impl Model {
 
     /// Runs `prompt` (a batch of equal-length id lists) on top of `cache`, then
     /// greedily decodes up to `opts.max_new_tokens` tokens per sequence.
-    pub fn generate(&self, prompt: &[Vec<u32>], cache: &mut KvCache, opts: &GreedyOptions) -> Result<Generation> {
+    pub fn generate(
+        &self,
+        prompt: &[Vec<u32>],
+        cache: &mut KvCache,
+        opts: &GreedyOptions,
+    ) -> Result<Generation> {
         let tokens = self.tokens(prompt)?;
         let out = self.forward(&tokens, cache, &HookSpec::new(), LogitsAt::Last)?;
         let first_logits = out.logits.expect("asked for logits").squeeze(1)?;
@@ -546,7 +624,12 @@ impl Model {
     }
 
     /// Greedy decoding from the logits of the last prompt position `[batch, vocab]`.
-    pub fn decode_from(&self, last_logits: &Tensor, cache: &mut KvCache, opts: &GreedyOptions) -> Result<Generation> {
+    pub fn decode_from(
+        &self,
+        last_logits: &Tensor,
+        cache: &mut KvCache,
+        opts: &GreedyOptions,
+    ) -> Result<Generation> {
         let b = last_logits.dim(0)?;
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
         let mut done = vec![false; b];
@@ -621,7 +704,9 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
         .collect();
     let n = cfg.context_length;
     let inv = Tensor::from_vec(inv, (1, hd / 2), device)?;
-    let pos = Tensor::arange(0u32, n as u32, device)?.to_dtype(DType::F32)?.reshape((n, 1))?;
+    let pos = Tensor::arange(0u32, n as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((n, 1))?;
     let ang = pos.matmul(&inv)?;
     Ok((ang.cos()?, ang.sin()?))
 }

@@ -50,8 +50,12 @@ impl Reference {
             let ct = gguf_file::Content::read(&mut f).map_err(bad)?;
             let arch = crate::config::ModelConfig::from_gguf(&ct)?.arch;
             Ok(match arch {
-                Arch::Qwen2 => Inner::Qwen2(quantized_qwen2::ModelWeights::from_gguf(ct, &mut f, &dev).map_err(bad)?),
-                Arch::Llama => Inner::Llama(quantized_llama::ModelWeights::from_gguf(ct, &mut f, &dev).map_err(bad)?),
+                Arch::Qwen2 => Inner::Qwen2(
+                    quantized_qwen2::ModelWeights::from_gguf(ct, &mut f, &dev).map_err(bad)?,
+                ),
+                Arch::Llama => Inner::Llama(
+                    quantized_llama::ModelWeights::from_gguf(ct, &mut f, &dev).map_err(bad)?,
+                ),
             })
         });
         let inner = handle.join().expect("reference loader panicked");

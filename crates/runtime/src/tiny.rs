@@ -77,7 +77,16 @@ pub fn byte_chars() -> Vec<char> {
 pub fn tiny_vocab() -> (Vec<String>, Vec<String>, Vec<i32>) {
     let mut tokens: Vec<String> = byte_chars().iter().map(|c| c.to_string()).collect();
     let mut types = vec![1i32; 256];
-    let merges: Vec<(&str, &str)> = vec![("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġ", "s")];
+    let merges: Vec<(&str, &str)> = vec![
+        ("Ġ", "t"),
+        ("h", "e"),
+        ("Ġt", "he"),
+        ("i", "n"),
+        ("Ġ", "a"),
+        ("e", "r"),
+        ("o", "n"),
+        ("Ġ", "s"),
+    ];
     let mut merge_lines = Vec::new();
     for (a, b) in merges {
         merge_lines.push(format!("{a} {b}"));
@@ -132,17 +141,32 @@ pub fn tiny_tensors(spec: &TinySpec) -> Result<Vec<(String, Tensor)>> {
         out.push((n("attn_k.weight"), mat(spec.n_kv_heads * hd, d, s)?));
         out.push((n("attn_v.weight"), mat(spec.n_kv_heads * hd, d, s)?));
         if spec.arch == Arch::Qwen2 {
-            out.push((n("attn_q.bias"), mat(1, spec.n_heads * hd, 0.1)?.squeeze(0)?));
-            out.push((n("attn_k.bias"), mat(1, spec.n_kv_heads * hd, 0.1)?.squeeze(0)?));
-            out.push((n("attn_v.bias"), mat(1, spec.n_kv_heads * hd, 0.1)?.squeeze(0)?));
+            out.push((
+                n("attn_q.bias"),
+                mat(1, spec.n_heads * hd, 0.1)?.squeeze(0)?,
+            ));
+            out.push((
+                n("attn_k.bias"),
+                mat(1, spec.n_kv_heads * hd, 0.1)?.squeeze(0)?,
+            ));
+            out.push((
+                n("attn_v.bias"),
+                mat(1, spec.n_kv_heads * hd, 0.1)?.squeeze(0)?,
+            ));
         }
         out.push((n("attn_output.weight"), mat(d, spec.n_heads * hd, s)?));
         out.push((n("ffn_norm.weight"), (mat(1, d, 0.1)?.squeeze(0)? + 1.0)?));
         out.push((n("ffn_gate.weight"), mat(spec.d_ffn, d, s)?));
         out.push((n("ffn_up.weight"), mat(spec.d_ffn, d, s)?));
-        out.push((n("ffn_down.weight"), mat(d, spec.d_ffn, 1.0 / (spec.d_ffn as f32).sqrt())?));
+        out.push((
+            n("ffn_down.weight"),
+            mat(d, spec.d_ffn, 1.0 / (spec.d_ffn as f32).sqrt())?,
+        ));
     }
-    out.push(("output_norm.weight".to_string(), (mat(1, d, 0.1)?.squeeze(0)? + 1.0)?));
+    out.push((
+        "output_norm.weight".to_string(),
+        (mat(1, d, 0.1)?.squeeze(0)? + 1.0)?,
+    ));
     if spec.own_output {
         out.push(("output.weight".to_string(), mat(v, d, s)?));
     }
@@ -157,30 +181,55 @@ pub fn write_gguf(spec: &TinySpec, path: &Path) -> Result<()> {
     let strings = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
     let md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.clone())),
-        ("general.name".into(), Value::String("tolerable tiny test model".into())),
+        (
+            "general.name".into(),
+            Value::String("tolerable tiny test model".into()),
+        ),
         (k("block_count"), Value::U32(spec.n_layers as u32)),
         (k("context_length"), Value::U32(spec.context_length as u32)),
         (k("embedding_length"), Value::U32(spec.d_model as u32)),
         (k("feed_forward_length"), Value::U32(spec.d_ffn as u32)),
         (k("attention.head_count"), Value::U32(spec.n_heads as u32)),
-        (k("attention.head_count_kv"), Value::U32(spec.n_kv_heads as u32)),
+        (
+            k("attention.head_count_kv"),
+            Value::U32(spec.n_kv_heads as u32),
+        ),
         (k("rope.freq_base"), Value::F32(10000.0)),
-        (k("rope.dimension_count"), Value::U32((spec.d_model / spec.n_heads) as u32)),
+        (
+            k("rope.dimension_count"),
+            Value::U32((spec.d_model / spec.n_heads) as u32),
+        ),
         (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), Value::String("qwen2".into())),
         ("tokenizer.ggml.tokens".into(), strings(&tokens)),
         ("tokenizer.ggml.merges".into(), strings(&merges)),
-        ("tokenizer.ggml.token_type".into(), Value::Array(types.iter().map(|t| Value::I32(*t)).collect())),
-        ("tokenizer.ggml.eos_token_id".into(), Value::U32((tokens.len() - 1) as u32)),
-        ("tokenizer.ggml.bos_token_id".into(), Value::U32((tokens.len() - 3) as u32)),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.iter().map(|t| Value::I32(*t)).collect()),
+        ),
+        (
+            "tokenizer.ggml.eos_token_id".into(),
+            Value::U32((tokens.len() - 1) as u32),
+        ),
+        (
+            "tokenizer.ggml.bos_token_id".into(),
+            Value::U32((tokens.len() - 3) as u32),
+        ),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
-        ("tokenizer.chat_template".into(), Value::String(CHATML.into())),
+        (
+            "tokenizer.chat_template".into(),
+            Value::String(CHATML.into()),
+        ),
     ];
     let tensors = tiny_tensors(spec)?;
     let mut q = Vec::new();
     for (name, t) in &tensors {
-        let dt = if t.rank() == 2 && name != "token_embd.weight" { spec.matrix_dtype } else { GgmlDType::F32 };
+        let dt = if t.rank() == 2 && name != "token_embd.weight" {
+            spec.matrix_dtype
+        } else {
+            GgmlDType::F32
+        };
         q.push((name.clone(), QTensor::quantize(t, dt)?));
     }
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -209,7 +258,10 @@ pub fn write_hf_dir(spec: &TinySpec, dir: &Path, tokenizer: &crate::Tokenizer) -
         "max_position_embeddings": spec.context_length,
         "tie_word_embeddings": !spec.own_output,
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg).unwrap())?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&cfg).unwrap(),
+    )?;
     let mut map = HashMap::new();
     for (name, t) in tiny_tensors(spec)? {
         let hf = crate::weights::hf_name(&name);

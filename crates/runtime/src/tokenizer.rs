@@ -45,7 +45,11 @@ fn string_array(ct: &gguf_file::Content, key: &str) -> Result<Vec<String>> {
     let v = md_value(ct, key)?;
     let arr = v.to_vec().map_err(|e| tok_err(format!("`{key}`: {e}")))?;
     arr.iter()
-        .map(|x| x.to_string().cloned().map_err(|e| tok_err(format!("`{key}`: {e}"))))
+        .map(|x| {
+            x.to_string()
+                .cloned()
+                .map_err(|e| tok_err(format!("`{key}`: {e}")))
+        })
         .collect()
 }
 
@@ -92,9 +96,13 @@ impl Tokenizer {
             "qwen2" => {
                 tk.with_normalizer(Some(NFC));
                 Sequence::new(vec![
-                    Split::new(SplitPattern::Regex(QWEN2_PATTERN.into()), SplitDelimiterBehavior::Isolated, false)
-                        .map_err(tok_err)?
-                        .into(),
+                    Split::new(
+                        SplitPattern::Regex(QWEN2_PATTERN.into()),
+                        SplitDelimiterBehavior::Isolated,
+                        false,
+                    )
+                    .map_err(tok_err)?
+                    .into(),
                     byte_level.into(),
                 ])
                 .into()
@@ -145,7 +153,8 @@ impl Tokenizer {
     /// Reads `tokenizer.json` (and, beside it, `tokenizer_config.json` for the
     /// chat template and special tokens, if present).
     pub fn from_json_file(path: &Path) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
         let mut out = Self {
             inner,
             bos_id: None,
@@ -155,16 +164,26 @@ impl Tokenizer {
         };
         let cfg_path = path.with_file_name("tokenizer_config.json");
         if let Ok(text) = std::fs::read_to_string(&cfg_path) {
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| tok_err(format!("{}: {e}", cfg_path.display())))?;
-            out.chat_template = v.get("chat_template").and_then(|t| t.as_str()).map(String::from);
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| tok_err(format!("{}: {e}", cfg_path.display())))?;
+            out.chat_template = v
+                .get("chat_template")
+                .and_then(|t| t.as_str())
+                .map(String::from);
             let id = |k: &str| {
                 v.get(k)
-                    .and_then(|t| t.as_str().or_else(|| t.get("content").and_then(|c| c.as_str())))
+                    .and_then(|t| {
+                        t.as_str()
+                            .or_else(|| t.get("content").and_then(|c| c.as_str()))
+                    })
                     .and_then(|s| out.inner.token_to_id(s))
             };
             out.bos_id = id("bos_token");
             out.eos_id = id("eos_token");
-            out.add_bos = v.get("add_bos_token").and_then(|b| b.as_bool()).unwrap_or(false);
+            out.add_bos = v
+                .get("add_bos_token")
+                .and_then(|b| b.as_bool())
+                .unwrap_or(false);
         }
         Ok(out)
     }
@@ -185,7 +204,12 @@ impl Tokenizer {
 
     /// Token ids of a text fragment, never with a BOS (for segment-by-segment tokenization).
     pub fn encode_fragment(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self.inner.encode(text, false).map_err(tok_err)?.get_ids().to_vec())
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(tok_err)?
+            .get_ids()
+            .to_vec())
     }
 
     /// The text of token ids (special tokens included).

@@ -156,9 +156,11 @@ impl Source {
         }
         let mut map = HashMap::new();
         for s in shards {
-            let t = candle_core::safetensors::load(&s, device).map_err(|e| RuntimeError::ModelFile {
-                path: s.clone(),
-                reason: e.to_string(),
+            let t = candle_core::safetensors::load(&s, device).map_err(|e| {
+                RuntimeError::ModelFile {
+                    path: s.clone(),
+                    reason: e.to_string(),
+                }
             })?;
             map.extend(t);
         }
@@ -190,10 +192,11 @@ impl Source {
                     return Err(Self::missing(name));
                 }
                 let mut f = file.borrow_mut();
-                ct.tensor(&mut *f, name, device).map_err(|e| RuntimeError::ModelFile {
-                    path: path.clone(),
-                    reason: format!("reading `{name}`: {e}"),
-                })
+                ct.tensor(&mut *f, name, device)
+                    .map_err(|e| RuntimeError::ModelFile {
+                        path: path.clone(),
+                        reason: format!("reading `{name}`: {e}"),
+                    })
             }
             Source::Safetensors(_) => Err(RuntimeError::Tensor {
                 name: name.into(),
@@ -221,7 +224,13 @@ impl Source {
     }
 
     /// A matrix in the requested precision.
-    pub(crate) fn proj(&self, name: &str, shape: &[usize], precision: Precision, device: &Device) -> Result<Proj> {
+    pub(crate) fn proj(
+        &self,
+        name: &str,
+        shape: &[usize],
+        precision: Precision,
+        device: &Device,
+    ) -> Result<Proj> {
         match precision {
             Precision::F32 => Ok(Proj::Dense(self.f32(name, shape, device)?)),
             Precision::Quantized => {

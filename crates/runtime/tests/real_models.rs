@@ -15,7 +15,9 @@ use tolerable_runtime::{catalog, Checkpoint, GreedyOptions, HookSpec, LogitsAt, 
 static QWEN05: OnceLock<Option<Checkpoint>> = OnceLock::new();
 
 fn qwen05() -> Option<&'static Checkpoint> {
-    QWEN05.get_or_init(|| load("qwen2.5-coder-0.5b-instruct", Precision::F32)).as_ref()
+    QWEN05
+        .get_or_init(|| load("qwen2.5-coder-0.5b-instruct", Precision::F32))
+        .as_ref()
 }
 
 fn load(id: &str, precision: Precision) -> Option<Checkpoint> {
@@ -32,7 +34,10 @@ fn load(id: &str, precision: Precision) -> Option<Checkpoint> {
 fn all_gates(ck: &Checkpoint) {
     let r = gates::parity(ck, &parity_prompts(), 8).unwrap();
     for p in &r.prompts {
-        eprintln!("parity {}: {:?} / {:?}, max |dlogit| {:.2e}, argmax {}/{}", ck.id, p.ours, p.reference, p.max_abs_logit_diff, p.argmax_agree, p.n_prompt_tokens);
+        eprintln!(
+            "parity {}: {:?} / {:?}, max |dlogit| {:.2e}, argmax {}/{}",
+            ck.id, p.ours, p.reference, p.max_abs_logit_diff, p.argmax_agree, p.n_prompt_tokens
+        );
     }
     assert!(r.passed, "parity gate failed on {}: {r:?}", ck.id);
     let ids = ck.tokenizer.encode(SQUAD_PROMPT).unwrap();
@@ -57,8 +62,14 @@ fn qwen05_squad_prompt_matches_the_independent_reference() {
     let ids = ck.tokenizer.encode(SQUAD_PROMPT).unwrap();
     assert_eq!(ids.len(), 87);
     let mut c = ck.model.new_cache(1);
-    let g = ck.model.generate(&[ids], &mut c, &GreedyOptions::tokens(8)).unwrap();
-    assert_eq!(ck.tokenizer.decode(&g.tokens[0]).unwrap(), " Denver Broncos\nTo answer this question,");
+    let g = ck
+        .model
+        .generate(&[ids], &mut c, &GreedyOptions::tokens(8))
+        .unwrap();
+    assert_eq!(
+        ck.tokenizer.decode(&g.tokens[0]).unwrap(),
+        " Denver Broncos\nTo answer this question,"
+    );
 }
 
 #[test]
@@ -70,10 +81,26 @@ fn qwen05_tokenizer_ids_pinned_from_tiktoken() {
     let Some(ck) = qwen05() else { return };
     let cases: [(&str, &[u32]); 5] = [
         ("Hello, world!", &[9707, 11, 1879, 0]),
-        ("def add(a, b):\n    return a + b\n", &[750, 912, 2877, 11, 293, 982, 262, 470, 264, 488, 293, 198]),
-        ("naïve café — 東京 🚀", &[3376, 37572, 586, 51950, 1959, 60596, 109, 46553, 11162, 248, 222]),
-        ("Super Bowl 50 in 2015: 24–10", &[19284, 20288, 220, 20, 15, 304, 220, 17, 15, 16, 20, 25, 220, 17, 19, 4142, 16, 15]),
-        ("<|im_start|>user\nhi<|im_end|>", &[151644, 872, 198, 6023, 151645]),
+        (
+            "def add(a, b):\n    return a + b\n",
+            &[750, 912, 2877, 11, 293, 982, 262, 470, 264, 488, 293, 198],
+        ),
+        (
+            "naïve café — 東京 🚀",
+            &[
+                3376, 37572, 586, 51950, 1959, 60596, 109, 46553, 11162, 248, 222,
+            ],
+        ),
+        (
+            "Super Bowl 50 in 2015: 24–10",
+            &[
+                19284, 20288, 220, 20, 15, 304, 220, 17, 15, 16, 20, 25, 220, 17, 19, 4142, 16, 15,
+            ],
+        ),
+        (
+            "<|im_start|>user\nhi<|im_end|>",
+            &[151644, 872, 198, 6023, 151645],
+        ),
     ];
     for (s, want) in cases {
         let ids = ck.tokenizer.encode(s).unwrap();
@@ -81,15 +108,24 @@ fn qwen05_tokenizer_ids_pinned_from_tiktoken() {
         assert_eq!(ck.tokenizer.decode(&ids).unwrap(), s);
     }
     let chat = ck.tokenizer.apply_chat_template("hi").unwrap();
-    assert!(chat.starts_with("<|im_start|>system\n") && chat.ends_with("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"), "{chat:?}");
+    assert!(
+        chat.starts_with("<|im_start|>system\n")
+            && chat.ends_with("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"),
+        "{chat:?}"
+    );
 }
 
 #[test]
 fn qwen05_quantized_path_against_candle_quantized() {
-    let Some(ck) = load("qwen2.5-coder-0.5b-instruct", Precision::Quantized) else { return };
+    let Some(ck) = load("qwen2.5-coder-0.5b-instruct", Precision::Quantized) else {
+        return;
+    };
     let r = gates::parity(&ck, &parity_prompts(), 8).unwrap();
     for p in &r.prompts {
-        eprintln!("quantized parity: {:?} / {:?}, max |dlogit| {:.2e}, argmax {}/{}", p.ours, p.reference, p.max_abs_logit_diff, p.argmax_agree, p.n_prompt_tokens);
+        eprintln!(
+            "quantized parity: {:?} / {:?}, max |dlogit| {:.2e}, argmax {}/{}",
+            p.ours, p.reference, p.max_abs_logit_diff, p.argmax_agree, p.n_prompt_tokens
+        );
     }
     assert!(r.passed, "{r:?}");
 }
@@ -102,11 +138,25 @@ fn qwen05_batch_of_arms_matches_single_runs() {
     let ids = ck.tokenizer.encode(SQUAD_PROMPT).unwrap();
     let (passage, question) = ids.split_at(ids.len() - 14);
     let mut pc = m.new_cache(1);
-    m.forward(&m.tokens(&[passage.to_vec()]).unwrap(), &mut pc, &HookSpec::new(), LogitsAt::None).unwrap();
+    m.forward(
+        &m.tokens(&[passage.to_vec()]).unwrap(),
+        &mut pc,
+        &HookSpec::new(),
+        LogitsAt::None,
+    )
+    .unwrap();
     let mut batch = pc.repeat(3).unwrap();
-    let g = m.generate(&vec![question.to_vec(); 3], &mut batch, &GreedyOptions::tokens(6)).unwrap();
+    let g = m
+        .generate(
+            &vec![question.to_vec(); 3],
+            &mut batch,
+            &GreedyOptions::tokens(6),
+        )
+        .unwrap();
     let mut one = pc.clone();
-    let g1 = m.generate(&[question.to_vec()], &mut one, &GreedyOptions::tokens(6)).unwrap();
+    let g1 = m
+        .generate(&[question.to_vec()], &mut one, &GreedyOptions::tokens(6))
+        .unwrap();
     for t in &g.tokens {
         assert_eq!(t, &g1.tokens[0]);
     }
@@ -119,13 +169,26 @@ fn qwen05_prompt_too_long_is_an_error() {
     let mut c = m.new_cache(1);
     let n = m.config().context_length + 1;
     // The check happens before any work, so this costs nothing.
-    let e = m.forward(&m.tokens(&[vec![0u32; n]]).unwrap(), &mut c, &HookSpec::new(), LogitsAt::Last).unwrap_err();
-    assert!(e.to_string().contains("exceeds the model's context of 32768"), "{e}");
+    let e = m
+        .forward(
+            &m.tokens(&[vec![0u32; n]]).unwrap(),
+            &mut c,
+            &HookSpec::new(),
+            LogitsAt::Last,
+        )
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("exceeds the model's context of 32768"),
+        "{e}"
+    );
 }
 
 #[test]
 fn smollm2_gates_f32() {
-    let Some(ck) = load("smollm2-135m-instruct", Precision::F32) else { return };
+    let Some(ck) = load("smollm2-135m-instruct", Precision::F32) else {
+        return;
+    };
     assert_eq!(ck.model.config().n_layers, 30);
     assert_eq!(ck.model.config().n_kv_heads, 3);
     all_gates(&ck);
@@ -134,7 +197,9 @@ fn smollm2_gates_f32() {
 #[test]
 #[ignore = "1.5B: about 7 GB in f32 and several minutes; run with --ignored"]
 fn qwen15_gates_f32() {
-    let Some(ck) = load("qwen2.5-coder-1.5b-instruct", Precision::F32) else { return };
+    let Some(ck) = load("qwen2.5-coder-1.5b-instruct", Precision::F32) else {
+        return;
+    };
     assert_eq!(ck.model.config().n_layers, 28);
     assert_eq!(ck.model.config().head_dim, 128);
     all_gates(&ck);

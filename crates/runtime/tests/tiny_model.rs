@@ -15,7 +15,16 @@ fn tiny(spec: &TinySpec, precision: Precision) -> (tempfile::TempDir, Checkpoint
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
 }
 
 const PROMPTS: [&str; 3] = [
@@ -39,7 +48,12 @@ fn qwen2_parity_with_candle_transformers_f32() {
 
 #[test]
 fn llama_parity_with_candle_transformers_f32() {
-    let spec = TinySpec { arch: Arch::Llama, own_output: false, seed: 11, ..TinySpec::default() };
+    let spec = TinySpec {
+        arch: Arch::Llama,
+        own_output: false,
+        seed: 11,
+        ..TinySpec::default()
+    };
     let (_d, ck) = tiny(&spec, Precision::F32);
     assert_eq!(ck.model.config().rope_style, RopeStyle::Interleaved);
     let prompts: Vec<String> = PROMPTS.iter().map(|s| s.to_string()).collect();
@@ -49,7 +63,11 @@ fn llama_parity_with_candle_transformers_f32() {
 
 #[test]
 fn quantized_path_matches_candle_quantized() {
-    let spec = TinySpec { matrix_dtype: GgmlDType::Q8_0, seed: 3, ..TinySpec::default() };
+    let spec = TinySpec {
+        matrix_dtype: GgmlDType::Q8_0,
+        seed: 3,
+        ..TinySpec::default()
+    };
     let (_d, ck) = tiny(&spec, Precision::Quantized);
     let prompts: Vec<String> = PROMPTS.iter().map(|s| s.to_string()).collect();
     let r = gates::parity(&ck, &prompts, 6).unwrap();
@@ -78,13 +96,27 @@ fn identity_gate_detects_a_changed_cache() {
     let m = &ck.model;
     let ids = ck.tokenizer.encode(PROMPTS[0]).unwrap();
     let mut c = m.new_cache(1);
-    m.forward(&m.tokens(&[ids[..20].to_vec()]).unwrap(), &mut c, &HookSpec::new(), LogitsAt::None).unwrap();
+    m.forward(
+        &m.tokens(&[ids[..20].to_vec()]).unwrap(),
+        &mut c,
+        &HookSpec::new(),
+        LogitsAt::None,
+    )
+    .unwrap();
     let mut edited = c.clone();
     let kv = edited.layer(1).unwrap().clone();
     edited.set_layer(1, (kv.k * 1.001).unwrap(), kv.v).unwrap();
     let q = m.tokens(&[ids[20..].to_vec()]).unwrap();
-    let a = m.forward(&q, &mut c, &HookSpec::new(), LogitsAt::All).unwrap().logits.unwrap();
-    let b = m.forward(&q, &mut edited, &HookSpec::new(), LogitsAt::All).unwrap().logits.unwrap();
+    let a = m
+        .forward(&q, &mut c, &HookSpec::new(), LogitsAt::All)
+        .unwrap()
+        .logits
+        .unwrap();
+    let b = m
+        .forward(&q, &mut edited, &HookSpec::new(), LogitsAt::All)
+        .unwrap()
+        .logits
+        .unwrap();
     assert!(!gates::bit_equal(&a, &b).unwrap());
 }
 
@@ -94,26 +126,67 @@ fn prefix_cache_plus_suffix_equals_one_pass() {
     let m = &ck.model;
     let ids = ck.tokenizer.encode(PROMPTS[0]).unwrap();
     let mut whole = m.new_cache(1);
-    let a = m.forward(&m.tokens(&[ids.clone()]).unwrap(), &mut whole, &HookSpec::new(), LogitsAt::All).unwrap().logits.unwrap();
+    let a = m
+        .forward(
+            &m.tokens(&[ids.clone()]).unwrap(),
+            &mut whole,
+            &HookSpec::new(),
+            LogitsAt::All,
+        )
+        .unwrap()
+        .logits
+        .unwrap();
     let mut c = m.new_cache(1);
-    m.forward(&m.tokens(&[ids[..15].to_vec()]).unwrap(), &mut c, &HookSpec::new(), LogitsAt::None).unwrap();
-    let b = m.forward(&m.tokens(&[ids[15..].to_vec()]).unwrap(), &mut c, &HookSpec::new(), LogitsAt::All).unwrap().logits.unwrap();
+    m.forward(
+        &m.tokens(&[ids[..15].to_vec()]).unwrap(),
+        &mut c,
+        &HookSpec::new(),
+        LogitsAt::None,
+    )
+    .unwrap();
+    let b = m
+        .forward(
+            &m.tokens(&[ids[15..].to_vec()]).unwrap(),
+            &mut c,
+            &HookSpec::new(),
+            LogitsAt::All,
+        )
+        .unwrap()
+        .logits
+        .unwrap();
     let a_tail = a.narrow(1, 15, ids.len() - 15).unwrap();
     assert!(max_diff(&a_tail, &b) < 1e-4);
     assert_eq!(c.len(), ids.len());
     assert_eq!(c.next_position(), ids.len());
     // Logits only where asked: last position equals the All row.
     let mut c2 = m.new_cache(1);
-    let last = m.forward(&m.tokens(&[ids.clone()]).unwrap(), &mut c2, &HookSpec::new(), LogitsAt::Last).unwrap().logits.unwrap();
+    let last = m
+        .forward(
+            &m.tokens(&[ids.clone()]).unwrap(),
+            &mut c2,
+            &HookSpec::new(),
+            LogitsAt::Last,
+        )
+        .unwrap()
+        .logits
+        .unwrap();
     assert_eq!(last.dims(), &[1, 1, m.config().vocab_size]);
-    assert!(max_diff(&last.squeeze(1).unwrap(), &a.narrow(1, ids.len() - 1, 1).unwrap().squeeze(1).unwrap()) < 1e-5);
+    assert!(
+        max_diff(
+            &last.squeeze(1).unwrap(),
+            &a.narrow(1, ids.len() - 1, 1).unwrap().squeeze(1).unwrap()
+        ) < 1e-5
+    );
 }
 
 #[test]
 fn batched_forward_and_decoding_match_one_at_a_time() {
     let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
     let m = &ck.model;
-    let seqs: Vec<Vec<u32>> = PROMPTS.iter().map(|p| ck.tokenizer.encode(p).unwrap()[..12].to_vec()).collect();
+    let seqs: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| ck.tokenizer.encode(p).unwrap()[..12].to_vec())
+        .collect();
     let opts = GreedyOptions::tokens(8);
     let mut batch_cache = m.new_cache(3);
     let batched = m.generate(&seqs, &mut batch_cache, &opts).unwrap();
@@ -121,15 +194,27 @@ fn batched_forward_and_decoding_match_one_at_a_time() {
         let mut c = m.new_cache(1);
         let one = m.generate(&[s.clone()], &mut c, &opts).unwrap();
         assert_eq!(one.tokens[0], batched.tokens[i], "sequence {i}");
-        let d = max_diff(&one.first_logits, &batched.first_logits.narrow(0, i, 1).unwrap());
+        let d = max_diff(
+            &one.first_logits,
+            &batched.first_logits.narrow(0, i, 1).unwrap(),
+        );
         assert!(d < 1e-4, "{d}");
     }
     // Stacking single caches gives the batch cache's decoding too.
-    let singles: Vec<KvCache> = seqs.iter().map(|s| {
-        let mut c = m.new_cache(1);
-        m.forward(&m.tokens(&[s.clone()]).unwrap(), &mut c, &HookSpec::new(), LogitsAt::None).unwrap();
-        c
-    }).collect();
+    let singles: Vec<KvCache> = seqs
+        .iter()
+        .map(|s| {
+            let mut c = m.new_cache(1);
+            m.forward(
+                &m.tokens(&[s.clone()]).unwrap(),
+                &mut c,
+                &HookSpec::new(),
+                LogitsAt::None,
+            )
+            .unwrap();
+            c
+        })
+        .collect();
     let refs: Vec<&KvCache> = singles.iter().collect();
     let stacked = KvCache::stack(&refs).unwrap();
     assert_eq!(stacked.batch(), 3);
@@ -143,11 +228,22 @@ fn early_stop_only_when_asked() {
     let m = &ck.model;
     let ids = ck.tokenizer.encode(PROMPTS[1]).unwrap();
     let mut c = m.new_cache(1);
-    let free = m.generate(&[ids.clone()], &mut c, &GreedyOptions::tokens(6)).unwrap();
+    let free = m
+        .generate(&[ids.clone()], &mut c, &GreedyOptions::tokens(6))
+        .unwrap();
     assert_eq!(free.tokens[0].len(), 6);
     let stop = free.tokens[0][2];
     let mut c = m.new_cache(1);
-    let g = m.generate(&[ids], &mut c, &GreedyOptions { max_new_tokens: 6, stop_tokens: vec![stop] }).unwrap();
+    let g = m
+        .generate(
+            &[ids],
+            &mut c,
+            &GreedyOptions {
+                max_new_tokens: 6,
+                stop_tokens: vec![stop],
+            },
+        )
+        .unwrap();
     let first = free.tokens[0].iter().position(|&t| t == stop).unwrap();
     assert_eq!(g.tokens[0], free.tokens[0][..=first].to_vec());
 }
@@ -160,13 +256,22 @@ fn mid_stack_start_reproduces_the_full_pass() {
     let l = 2;
     let spec = HookSpec::new().capture(HookPoint::ResidPre(l));
     let mut full = m.new_cache(1);
-    let out = m.forward(&m.tokens(&[ids.clone()]).unwrap(), &mut full, &spec, LogitsAt::All).unwrap();
+    let out = m
+        .forward(
+            &m.tokens(&[ids.clone()]).unwrap(),
+            &mut full,
+            &spec,
+            LogitsAt::All,
+        )
+        .unwrap();
     let resid = out.hooks.get(HookPoint::ResidPre(l)).unwrap();
     // Restart at layer l from position 10 on, keeping the first 10 entries.
     let mut c = full.truncate(10).unwrap();
     let lower = full.narrow(10, ids.len() - 10).unwrap();
     let tail = resid.narrow(1, 10, ids.len() - 10).unwrap();
-    let again = m.forward_from_layer(l, &tail, &lower, &mut c, &HookSpec::new(), LogitsAt::All).unwrap();
+    let again = m
+        .forward_from_layer(l, &tail, &lower, &mut c, &HookSpec::new(), LogitsAt::All)
+        .unwrap();
     let want = out.logits.unwrap().narrow(1, 10, ids.len() - 10).unwrap();
     assert!(max_diff(&want, &again.logits.unwrap()) < 1e-4);
     for layer in 0..m.config().n_layers {
@@ -183,30 +288,78 @@ fn appended_segments_are_attended_without_moving_positions() {
     let b = ck.tokenizer.encode("in the theatre").unwrap();
     let q = ck.tokenizer.encode("where?").unwrap();
     let mut own = m.new_cache(1);
-    m.forward(&m.tokens(&[a.clone()]).unwrap(), &mut own, &HookSpec::new(), LogitsAt::None).unwrap();
+    m.forward(
+        &m.tokens(&[a.clone()]).unwrap(),
+        &mut own,
+        &HookSpec::new(),
+        LogitsAt::None,
+    )
+    .unwrap();
     let mut other = m.new_cache(1);
-    m.forward(&m.tokens(&[b.clone()]).unwrap(), &mut other, &HookSpec::new(), LogitsAt::None).unwrap();
+    m.forward(
+        &m.tokens(&[b.clone()]).unwrap(),
+        &mut other,
+        &HookSpec::new(),
+        LogitsAt::None,
+    )
+    .unwrap();
     let mut aug = own.clone();
     aug.append_segment(&other).unwrap();
     assert_eq!(aug.len(), a.len() + b.len());
     assert_eq!(aug.next_position(), a.len());
     assert_eq!(aug.segments().len(), 2);
-    let spec = HookSpec::new().capture(HookPoint::Pattern(0)).capture(HookPoint::RotK(0));
-    let qa = m.forward(&m.tokens(&[q.clone()]).unwrap(), &mut aug, &spec, LogitsAt::Last).unwrap();
+    let spec = HookSpec::new()
+        .capture(HookPoint::Pattern(0))
+        .capture(HookPoint::RotK(0));
+    let qa = m
+        .forward(
+            &m.tokens(&[q.clone()]).unwrap(),
+            &mut aug,
+            &spec,
+            LogitsAt::Last,
+        )
+        .unwrap();
     let pat = qa.hooks.get(HookPoint::Pattern(0)).unwrap();
     assert_eq!(pat.dims(), &[1, 4, q.len(), a.len() + b.len() + q.len()]);
     // The appended entries carry attention weight.
-    let w: f32 = pat.narrow(3, a.len(), b.len()).unwrap().sum_all().unwrap().to_scalar().unwrap();
+    let w: f32 = pat
+        .narrow(3, a.len(), b.len())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap();
     assert!(w > 0.0);
     // The question's keys took positions right after the own passage.
     let mut plain = own.clone();
-    let qp = m.forward(&m.tokens(&[q]).unwrap(), &mut plain, &spec, LogitsAt::Last).unwrap();
-    assert!(gates::bit_equal(qa.hooks.get(HookPoint::RotK(0)).unwrap(), qp.hooks.get(HookPoint::RotK(0)).unwrap()).unwrap());
+    let qp = m
+        .forward(&m.tokens(&[q]).unwrap(), &mut plain, &spec, LogitsAt::Last)
+        .unwrap();
+    assert!(gates::bit_equal(
+        qa.hooks.get(HookPoint::RotK(0)).unwrap(),
+        qp.hooks.get(HookPoint::RotK(0)).unwrap()
+    )
+    .unwrap());
     assert!(max_diff(&qa.logits.unwrap(), &qp.logits.unwrap()) > 0.0);
     // A cache of another shape cannot be appended.
-    let other_model = tiny(&TinySpec { n_kv_heads: 4, ..TinySpec::default() }, Precision::F32);
+    let other_model = tiny(
+        &TinySpec {
+            n_kv_heads: 4,
+            ..TinySpec::default()
+        },
+        Precision::F32,
+    );
     let mut wrong = other_model.1.model.new_cache(1);
-    other_model.1.model.forward(&m.tokens(&[b]).unwrap(), &mut wrong, &HookSpec::new(), LogitsAt::None).unwrap();
+    other_model
+        .1
+        .model
+        .forward(
+            &m.tokens(&[b]).unwrap(),
+            &mut wrong,
+            &HookSpec::new(),
+            LogitsAt::None,
+        )
+        .unwrap();
     let e = own.append_segment(&wrong).unwrap_err().to_string();
     assert!(e.contains("cache shapes differ"), "{e}");
 }
@@ -218,26 +371,68 @@ fn interventions_edit_only_their_sites() {
     let ids = ck.tokenizer.encode(PROMPTS[0]).unwrap();
     let t = m.tokens(&[ids.clone()]).unwrap();
     let cap = HookSpec::new().capture(HookPoint::ResidPost(0));
-    let base = m.forward(&t, &mut m.new_cache(1), &cap, LogitsAt::All).unwrap();
+    let base = m
+        .forward(&t, &mut m.new_cache(1), &cap, LogitsAt::All)
+        .unwrap();
     // Zero the residual at position 5 of block 1's input: positions before 5 are unchanged.
-    let spec = HookSpec::new().intervene(Intervention::new(HookPoint::ResidPre(1), Edit::Zero).at_positions(vec![5]));
-    let ed = m.forward(&t, &mut m.new_cache(1), &spec, LogitsAt::All).unwrap().logits.unwrap();
+    let spec = HookSpec::new()
+        .intervene(Intervention::new(HookPoint::ResidPre(1), Edit::Zero).at_positions(vec![5]));
+    let ed = m
+        .forward(&t, &mut m.new_cache(1), &spec, LogitsAt::All)
+        .unwrap()
+        .logits
+        .unwrap();
     let bl = base.logits.unwrap();
     assert!(gates::bit_equal(&bl.narrow(1, 0, 5).unwrap(), &ed.narrow(1, 0, 5).unwrap()).unwrap());
     assert!(max_diff(&bl.narrow(1, 5, 1).unwrap(), &ed.narrow(1, 5, 1).unwrap()) > 0.0);
     // Adding zero changes nothing, bit for bit.
-    let zero = Tensor::zeros((1, ids.len(), m.config().d_model), candle_core::DType::F32, &Device::Cpu).unwrap();
-    let spec = HookSpec::new().intervene(Intervention::new(HookPoint::ResidPre(1), Edit::Add(zero)).at_positions(vec![1, 2, 3]));
-    let same = m.forward(&t, &mut m.new_cache(1), &spec, LogitsAt::All).unwrap().logits.unwrap();
+    let zero = Tensor::zeros(
+        (1, ids.len(), m.config().d_model),
+        candle_core::DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let spec = HookSpec::new().intervene(
+        Intervention::new(HookPoint::ResidPre(1), Edit::Add(zero)).at_positions(vec![1, 2, 3]),
+    );
+    let same = m
+        .forward(&t, &mut m.new_cache(1), &spec, LogitsAt::All)
+        .unwrap()
+        .logits
+        .unwrap();
     assert!(gates::bit_equal(&bl, &same).unwrap());
     // Knocking out one kv head at one position.
-    let spec = HookSpec::new().intervene(Intervention::new(HookPoint::V(0), Edit::Zero).at_positions(vec![2]).at_heads(vec![1]));
+    let spec = HookSpec::new().intervene(
+        Intervention::new(HookPoint::V(0), Edit::Zero)
+            .at_positions(vec![2])
+            .at_heads(vec![1]),
+    );
     let mut c = m.new_cache(1);
     m.forward(&t, &mut c, &spec, LogitsAt::None).unwrap();
     let v = c.layer(0).unwrap().v.clone();
-    let z: f32 = v.narrow(1, 1, 1).unwrap().narrow(2, 2, 1).unwrap().abs().unwrap().sum_all().unwrap().to_scalar().unwrap();
+    let z: f32 = v
+        .narrow(1, 1, 1)
+        .unwrap()
+        .narrow(2, 2, 1)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap();
     assert_eq!(z, 0.0);
-    let nz: f32 = v.narrow(1, 0, 1).unwrap().narrow(2, 2, 1).unwrap().abs().unwrap().sum_all().unwrap().to_scalar().unwrap();
+    let nz: f32 = v
+        .narrow(1, 0, 1)
+        .unwrap()
+        .narrow(2, 2, 1)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap();
     assert!(nz > 0.0);
 }
 
@@ -248,19 +443,44 @@ fn differentiable_kernels_agree_and_pass_gradients() {
     let diff = ck.model.clone().with_kernels(Kernels::Differentiable);
     let ids = ck.tokenizer.encode(PROMPTS[0]).unwrap();
     let t = fused.tokens(&[ids.clone()]).unwrap();
-    let a = fused.forward(&t, &mut fused.new_cache(1), &HookSpec::new(), LogitsAt::All).unwrap().logits.unwrap();
-    let b = diff.forward(&t, &mut diff.new_cache(1), &HookSpec::new(), LogitsAt::All).unwrap().logits.unwrap();
+    let a = fused
+        .forward(&t, &mut fused.new_cache(1), &HookSpec::new(), LogitsAt::All)
+        .unwrap()
+        .logits
+        .unwrap();
+    let b = diff
+        .forward(&t, &mut diff.new_cache(1), &HookSpec::new(), LogitsAt::All)
+        .unwrap()
+        .logits
+        .unwrap();
     assert!(max_diff(&a, &b) < 1e-4);
     // A gradient reaches a residual injected at block 1.
     let src = candle_core::Var::from_tensor(
-        &Tensor::ones((1, ids.len(), diff.config().d_model), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        &Tensor::ones(
+            (1, ids.len(), diff.config().d_model),
+            candle_core::DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap(),
     )
     .unwrap();
-    let spec = HookSpec::new().intervene(Intervention::new(HookPoint::ResidPre(1), Edit::Replace(src.as_tensor().clone())).at_positions(vec![3]));
-    let out = diff.forward(&t, &mut diff.new_cache(1), &spec, LogitsAt::Last).unwrap().logits.unwrap();
+    let spec = HookSpec::new().intervene(
+        Intervention::new(
+            HookPoint::ResidPre(1),
+            Edit::Replace(src.as_tensor().clone()),
+        )
+        .at_positions(vec![3]),
+    );
+    let out = diff
+        .forward(&t, &mut diff.new_cache(1), &spec, LogitsAt::Last)
+        .unwrap()
+        .logits
+        .unwrap();
     let loss = out.sum_all().unwrap();
     let grads = loss.backward().unwrap();
-    let g = grads.get(src.as_tensor()).expect("a gradient for the injected residual");
+    let g = grads
+        .get(src.as_tensor())
+        .expect("a gradient for the injected residual");
     let gsum: f32 = g.abs().unwrap().sum_all().unwrap().to_scalar().unwrap();
     assert!(gsum > 0.0);
 }
@@ -276,8 +496,28 @@ fn safetensors_checkpoint_equals_gguf() {
     let ids = ck.tokenizer.encode(PROMPTS[2]).unwrap();
     assert_eq!(st.tokenizer.encode(PROMPTS[2]).unwrap(), ids);
     let t = ck.model.tokens(&[ids]).unwrap();
-    let a = ck.model.forward(&t, &mut ck.model.new_cache(1), &HookSpec::new(), LogitsAt::All).unwrap().logits.unwrap();
-    let b = st.model.forward(&t, &mut st.model.new_cache(1), &HookSpec::new(), LogitsAt::All).unwrap().logits.unwrap();
+    let a = ck
+        .model
+        .forward(
+            &t,
+            &mut ck.model.new_cache(1),
+            &HookSpec::new(),
+            LogitsAt::All,
+        )
+        .unwrap()
+        .logits
+        .unwrap();
+    let b = st
+        .model
+        .forward(
+            &t,
+            &mut st.model.new_cache(1),
+            &HookSpec::new(),
+            LogitsAt::All,
+        )
+        .unwrap()
+        .logits
+        .unwrap();
     assert!(max_diff(&a, &b) < 1e-5);
 }
 
@@ -287,25 +527,43 @@ fn hub_cache_layout_resolves_offline() {
     let (dir, ck) = tiny(&spec, Precision::F32);
     let hub = dir.path().join("hub");
     let commit = "0123456789abcdef0123456789abcdef01234567";
-    let snap = hub.join("models--tolerable--tiny").join("snapshots").join(commit);
+    let snap = hub
+        .join("models--tolerable--tiny")
+        .join("snapshots")
+        .join(commit);
     write_hf_dir(&spec, &snap, &ck.tokenizer).unwrap();
     std::fs::create_dir_all(hub.join("models--tolerable--tiny").join("refs")).unwrap();
-    std::fs::write(hub.join("models--tolerable--tiny").join("refs").join("main"), commit).unwrap();
+    std::fs::write(
+        hub.join("models--tolerable--tiny")
+            .join("refs")
+            .join("main"),
+        commit,
+    )
+    .unwrap();
     let found = hub::fetch("tolerable/tiny", &hub).unwrap();
     assert_eq!(found.dir(), snap.as_path());
     assert_eq!(found.shards.len(), 1);
     let m = Model::from_safetensors_dir(found.dir(), &Device::Cpu).unwrap();
     assert_eq!(m.config().d_model, spec.d_model);
     // A repo that is not in the cache is a clear error offline.
-    let e = hub::from_cache("tolerable/absent", &hub).unwrap_err().to_string();
-    assert!(e.contains("hf:tolerable/absent") && e.contains("config.json"), "{e}");
+    let e = hub::from_cache("tolerable/absent", &hub)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("hf:tolerable/absent") && e.contains("config.json"),
+        "{e}"
+    );
 }
 
 #[test]
 fn tokenizer_round_trips_and_specials() {
     let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
     let tk = &ck.tokenizer;
-    for s in ["The theory in the theatre.", "fn f(x: &[u8]) -> Option<u32> { x.get(0).map(|b| *b as u32) }\n\tindent", "naïve café — 東京 🚀 ∑"] {
+    for s in [
+        "The theory in the theatre.",
+        "fn f(x: &[u8]) -> Option<u32> { x.get(0).map(|b| *b as u32) }\n\tindent",
+        "naïve café — 東京 🚀 ∑",
+    ] {
         let ids = tk.encode(s).unwrap();
         assert_eq!(tk.decode(&ids).unwrap(), s);
     }
@@ -316,7 +574,10 @@ fn tokenizer_round_trips_and_specials() {
     let im = tk.token_id("<|im_start|>").unwrap();
     assert_eq!(tk.encode("<|im_start|>user").unwrap()[0], im);
     let chat = tk.apply_chat_template("hi").unwrap();
-    assert_eq!(chat, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(
+        chat,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
     assert!(tk.stop_ids().contains(&tk.token_id("<|im_end|>").unwrap()));
 }
 
@@ -330,41 +591,107 @@ fn bad_inputs_give_clear_errors() {
     let bytes = std::fs::read(&path).unwrap();
     let cut = dir.path().join("cut.gguf");
     std::fs::write(&cut, &bytes[..bytes.len() - 1000]).unwrap();
-    let e = Model::from_gguf(&cut, Precision::F32, &Device::Cpu).unwrap_err().to_string();
+    let e = Model::from_gguf(&cut, Precision::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("cut.gguf") && e.contains("truncated"), "{e}");
     // Not a GGUF at all.
     let junk = dir.path().join("junk.gguf");
     std::fs::write(&junk, b"definitely not a model").unwrap();
-    let e = Model::from_gguf(&junk, Precision::F32, &Device::Cpu).unwrap_err().to_string();
+    let e = Model::from_gguf(&junk, Precision::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("junk.gguf"), "{e}");
     // Missing file.
-    let e = Model::from_gguf(&dir.path().join("nope.gguf"), Precision::F32, &Device::Cpu).unwrap_err().to_string();
+    let e = Model::from_gguf(&dir.path().join("nope.gguf"), Precision::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("nope.gguf"), "{e}");
     // Unknown model id.
-    let e = Checkpoint::load("qwen9-giant", Precision::F32, &Device::Cpu).unwrap_err().to_string();
+    let e = Checkpoint::load("qwen9-giant", Precision::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("unknown model id `qwen9-giant`"), "{e}");
     // Prompt longer than the context.
     let long = vec![5u32; spec.context_length + 1];
-    let e = m.forward(&m.tokens(&[long]).unwrap(), &mut m.new_cache(1), &HookSpec::new(), LogitsAt::Last).unwrap_err().to_string();
+    let e = m
+        .forward(
+            &m.tokens(&[long]).unwrap(),
+            &mut m.new_cache(1),
+            &HookSpec::new(),
+            LogitsAt::Last,
+        )
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("exceeds the model's context of 256"), "{e}");
     // A cache plus new tokens past the context.
     let mut c = m.new_cache(1);
-    m.forward(&m.tokens(&[vec![5u32; 200]]).unwrap(), &mut c, &HookSpec::new(), LogitsAt::None).unwrap();
-    let e = m.forward(&m.tokens(&[vec![5u32; 57]]).unwrap(), &mut c, &HookSpec::new(), LogitsAt::None).unwrap_err();
-    assert!(matches!(e, RuntimeError::PromptTooLong { len: 257, max: 256 }));
+    m.forward(
+        &m.tokens(&[vec![5u32; 200]]).unwrap(),
+        &mut c,
+        &HookSpec::new(),
+        LogitsAt::None,
+    )
+    .unwrap();
+    let e = m
+        .forward(
+            &m.tokens(&[vec![5u32; 57]]).unwrap(),
+            &mut c,
+            &HookSpec::new(),
+            LogitsAt::None,
+        )
+        .unwrap_err();
+    assert!(matches!(
+        e,
+        RuntimeError::PromptTooLong { len: 257, max: 256 }
+    ));
     // Hook layer out of range and unknown hook names.
     let spec_bad = HookSpec::new().capture(HookPoint::RotK(9));
-    let e = m.forward(&m.tokens(&[vec![5u32; 4]]).unwrap(), &mut m.new_cache(1), &spec_bad, LogitsAt::None).unwrap_err().to_string();
-    assert!(e.contains("blocks.9.attn.hook_rot_k") && e.contains("3 layers"), "{e}");
-    let e = "blocks.1.attn.hook_rotk".parse::<HookPoint>().unwrap_err().to_string();
-    assert!(e.contains("unknown hook point `blocks.1.attn.hook_rotk`"), "{e}");
+    let e = m
+        .forward(
+            &m.tokens(&[vec![5u32; 4]]).unwrap(),
+            &mut m.new_cache(1),
+            &spec_bad,
+            LogitsAt::None,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("blocks.9.attn.hook_rot_k") && e.contains("3 layers"),
+        "{e}"
+    );
+    let e = "blocks.1.attn.hook_rotk"
+        .parse::<HookPoint>()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unknown hook point `blocks.1.attn.hook_rotk`"),
+        "{e}"
+    );
     // Token ids outside the vocabulary.
-    let e = m.forward(&m.tokens(&[vec![99_999u32]]).unwrap(), &mut m.new_cache(1), &HookSpec::new(), LogitsAt::Last).unwrap_err().to_string();
+    let e = m
+        .forward(
+            &m.tokens(&[vec![99_999u32]]).unwrap(),
+            &mut m.new_cache(1),
+            &HookSpec::new(),
+            LogitsAt::Last,
+        )
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("99999"), "{e}");
     // Cache edits of the wrong shape name the site.
     let mut c = m.new_cache(1);
-    m.forward(&m.tokens(&[vec![5u32; 4]]).unwrap(), &mut c, &HookSpec::new(), LogitsAt::None).unwrap();
+    m.forward(
+        &m.tokens(&[vec![5u32; 4]]).unwrap(),
+        &mut c,
+        &HookSpec::new(),
+        LogitsAt::None,
+    )
+    .unwrap();
     let k = Tensor::zeros((1, 4, 4, 16), candle_core::DType::F32, &Device::Cpu).unwrap();
     let e = c.set_layer(0, k.clone(), k).unwrap_err().to_string();
-    assert!(e.contains("blocks.0.attn.hook_rot_k") && e.contains("n_kv_heads"), "{e}");
+    assert!(
+        e.contains("blocks.0.attn.hook_rot_k") && e.contains("n_kv_heads"),
+        "{e}"
+    );
 }

@@ -65,7 +65,12 @@ pub fn relative_l2(a: &[f32], b: &[f32]) -> Result<f64> {
 /// log softmax of logits, in f64.
 pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let lse = logits.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() + m;
+    let lse = logits
+        .iter()
+        .map(|&x| (x as f64 - m).exp())
+        .sum::<f64>()
+        .ln()
+        + m;
     logits.iter().map(|&x| x as f64 - lse).collect()
 }
 
@@ -79,7 +84,12 @@ pub fn kl_divergence_logits(p_logits: &[f32], q_logits: &[f32]) -> Result<f64> {
     same_len(p_logits, q_logits)?;
     let lp = log_softmax(p_logits);
     let lq = log_softmax(q_logits);
-    Ok(lp.iter().zip(&lq).map(|(a, b)| a.exp() * (a - b)).sum::<f64>().max(0.0))
+    Ok(lp
+        .iter()
+        .zip(&lq)
+        .map(|(a, b)| a.exp() * (a - b))
+        .sum::<f64>()
+        .max(0.0))
 }
 
 #[cfg(test)]
@@ -90,8 +100,13 @@ mod tests {
     fn cosine_values() {
         assert!((cosine(&[1., 0.], &[0., 1.]).unwrap()).abs() < 1e-12);
         assert!((cosine(&[1., 2.], &[2., 4.]).unwrap() - 1.0).abs() < 1e-12);
-        assert!((cosine(&[1., 0.], &[1., 1.]).unwrap() - std::f64::consts::FRAC_1_SQRT_2).abs() < 1e-12);
-        assert_eq!(cosine(&[1.], &[1., 2.]), Err(StatsError::LengthMismatch(1, 2)));
+        assert!(
+            (cosine(&[1., 0.], &[1., 1.]).unwrap() - std::f64::consts::FRAC_1_SQRT_2).abs() < 1e-12
+        );
+        assert_eq!(
+            cosine(&[1.], &[1., 2.]),
+            Err(StatsError::LengthMismatch(1, 2))
+        );
     }
 
     #[test]
@@ -103,7 +118,12 @@ mod tests {
 
     #[test]
     fn kl_and_l2() {
-        assert!(kl_divergence_logits(&[1., 2., 3.], &[1., 2., 3.]).unwrap().abs() < 1e-12);
+        assert!(
+            kl_divergence_logits(&[1., 2., 3.], &[1., 2., 3.])
+                .unwrap()
+                .abs()
+                < 1e-12
+        );
         // KL([.5,.5] || [.9,.1]) = .5 ln(.5/.9) + .5 ln(.5/.1) = 0.5108
         let q = [0.9f32.ln(), 0.1f32.ln()];
         let kl = kl_divergence_logits(&[0., 0.], &q).unwrap();

@@ -62,7 +62,10 @@ impl Proportion {
     /// Normal 95% interval p ± 1.96 SE.
     pub fn normal_ci95(&self) -> Interval {
         let (p, h) = (self.p(), Z95 * self.se());
-        Interval { lo: p - h, hi: p + h }
+        Interval {
+            lo: p - h,
+            hi: p + h,
+        }
     }
 
     /// Wilson 95% score interval (for p near 0 or 1).
@@ -154,11 +157,23 @@ mod tests {
     #[test]
     fn papers_lift_check() {
         // 0.550 against a strongest control of 0.225 at n=200: +0.325 [+0.235, +0.415].
-        let l = lift(p(0.550, 200), &[("mismatch", p(0.180, 200)), ("position", p(0.225, 200))]).unwrap();
+        let l = lift(
+            p(0.550, 200),
+            &[("mismatch", p(0.180, 200)), ("position", p(0.225, 200))],
+        )
+        .unwrap();
         assert_eq!(l.control, "position");
         assert!((l.difference.diff - 0.325).abs() < 1e-12);
-        assert!((l.difference.ci95.lo - 0.235).abs() < 0.0005, "{:?}", l.difference.ci95);
-        assert!((l.difference.ci95.hi - 0.415).abs() < 0.0005, "{:?}", l.difference.ci95);
+        assert!(
+            (l.difference.ci95.lo - 0.235).abs() < 0.0005,
+            "{:?}",
+            l.difference.ci95
+        );
+        assert!(
+            (l.difference.ci95.hi - 0.415).abs() < 0.0005,
+            "{:?}",
+            l.difference.ci95
+        );
     }
 
     #[test]
@@ -174,14 +189,20 @@ mod tests {
         assert_eq!(z.normal_ci95().hi, 0.0);
         // Known value: 8 of 10 → Wilson [0.490, 0.943].
         let w = Proportion::new(8, 10).unwrap().wilson_ci95();
-        assert!((w.lo - 0.4902).abs() < 1e-3 && (w.hi - 0.9433).abs() < 1e-3, "{w:?}");
+        assert!(
+            (w.lo - 0.4902).abs() < 1e-3 && (w.hi - 0.9433).abs() < 1e-3,
+            "{w:?}"
+        );
     }
 
     #[test]
     fn bad_inputs() {
         assert!(Proportion::new(3, 2).is_err());
         assert!(Proportion::new(0, 0).is_err());
-        assert_eq!(Proportion::from_outcomes(&[]), Err(StatsError::Empty("outcomes")));
+        assert_eq!(
+            Proportion::from_outcomes(&[]),
+            Err(StatsError::Empty("outcomes"))
+        );
         assert_eq!(lift(p(0.5, 10), &[]).unwrap_err(), StatsError::NoControl);
         let same = difference(p(1.0, 10), p(1.0, 10));
         assert_eq!(same.z, 0.0);
