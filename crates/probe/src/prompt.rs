@@ -6,11 +6,12 @@ use serde::{Deserialize, Serialize};
 use tolerable_runtime::Tokenizer;
 
 /// How the prompt is laid out around the passage.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Template {
     /// `Context: {passage}\nQuestion: {question}\nAnswer:` — the default: on
     /// these instruct models the answer span comes first and the line ends.
+    #[default]
     Raw,
     /// The model's chat template around `Context: {passage}\nQuestion:
     /// {question}\nAnswer with a short span from the context.`
@@ -23,12 +24,6 @@ pub enum Template {
         /// Text after the passage.
         suffix: String,
     },
-}
-
-impl Default for Template {
-    fn default() -> Self {
-        Template::Raw
-    }
 }
 
 impl Template {

@@ -244,7 +244,7 @@ impl SplitItem {
             return Ok(Built::Dropped(DropReason::EmptyFactRegion));
         }
         let prefix_ids = tokenizer.encode(&pre)?;
-        let suffix_ids = tokenizer.encode_fragment(&post)?;
+        let suffix_ids = tokenizer.encode_fragment(post)?;
         let out = SplitItem {
             item: item.clone(),
             prefix_ids,

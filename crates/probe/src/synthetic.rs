@@ -43,10 +43,10 @@ const MONTHS: &[&str] = &[
 fn word(rng: &mut Rng, syllables: usize) -> String {
     let mut w = String::new();
     for _ in 0..syllables {
-        w.push_str(*rng.pick(ONSETS));
-        w.push_str(*rng.pick(VOWELS));
+        w.push_str(rng.pick::<&str>(ONSETS));
+        w.push_str(rng.pick::<&str>(VOWELS));
     }
-    w.push_str(*rng.pick(CODAS));
+    w.push_str(rng.pick::<&str>(CODAS));
     let mut c = w.chars();
     match c.next() {
         Some(f) => f.to_uppercase().collect::<String>() + c.as_str(),

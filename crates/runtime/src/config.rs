@@ -196,13 +196,13 @@ impl ModelConfig {
         if self.n_layers == 0 || self.n_heads == 0 || self.n_kv_heads == 0 {
             return Err(bad("layer or head count is zero".into()));
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(bad(format!(
                 "{} query heads are not a multiple of {} key/value heads",
                 self.n_heads, self.n_kv_heads
             )));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(bad(format!("head_dim {} is odd", self.head_dim)));
         }
         Ok(())

@@ -75,7 +75,7 @@ pub fn parity(ck: &Checkpoint, prompts: &[String], n_new: usize) -> Result<Parit
         let ids = ck.tokenizer.encode(p)?;
         let mut cache = model.new_cache(1);
         let fwd = model.forward(
-            &model.tokens(&[ids.clone()])?,
+            &model.tokens(std::slice::from_ref(&ids))?,
             &mut cache,
             &HookSpec::new(),
             LogitsAt::All,
@@ -92,7 +92,7 @@ pub fn parity(ck: &Checkpoint, prompts: &[String], n_new: usize) -> Result<Parit
         let agree = a.iter().zip(&b).filter(|(x, y)| x == y).count();
         let mut cache = model.new_cache(1);
         let g = model.generate(
-            &[ids.clone()],
+            std::slice::from_ref(&ids),
             &mut cache,
             &crate::GreedyOptions::tokens(n_new),
         )?;

@@ -5,6 +5,7 @@
 //! command to run, unless `TOLERABLE_SKIP_REAL=1` says to skip on purpose.
 //! The 1.5B test is `#[ignore]`d: run it with
 //! `cargo test -p tolerable-runtime --test real_models -- --ignored`.
+#![allow(clippy::cloned_ref_to_slice_refs)] // `&[ids.clone()]` reads better as a batch of one
 
 use candle_core::Device;
 use std::sync::OnceLock;
@@ -211,15 +212,33 @@ fn smollm2_tokenizer_ids_pinned_from_tiktoken() {
     // pattern with single digits first (`\p{N}|'s|'t|...`), as SmolLM2 splits.
     let id = "smollm2-135m-instruct";
     let Some(path) = catalog::cached(id).unwrap() else {
-        assert!(std::env::var("TOLERABLE_SKIP_REAL").is_ok_and(|v| v == "1"), "{id} is not fetched");
+        assert!(
+            std::env::var("TOLERABLE_SKIP_REAL").is_ok_and(|v| v == "1"),
+            "{id} is not fetched"
+        );
         return;
     };
     let tk = tolerable_runtime::Tokenizer::from_gguf_file(&path).unwrap();
     let cases: [(&str, &[u32]); 5] = [
         ("Hello, world!", &[19556, 28, 905, 17]),
-        ("def add(a, b):\n    return a + b\n", &[1604, 803, 24, 81, 28, 278, 727, 472, 1003, 253, 1232, 278, 198]),
-        ("naïve café — 東京 🚀", &[3546, 46494, 37366, 1841, 17097, 247, 126, 16736, 122, 15107, 244, 218]),
-        ("Super Bowl 50 in 2015: 24–10", &[22959, 33926, 216, 37, 32, 281, 216, 34, 32, 33, 37, 42, 216, 34, 36, 1494, 33, 32]),
+        (
+            "def add(a, b):\n    return a + b\n",
+            &[
+                1604, 803, 24, 81, 28, 278, 727, 472, 1003, 253, 1232, 278, 198,
+            ],
+        ),
+        (
+            "naïve café — 東京 🚀",
+            &[
+                3546, 46494, 37366, 1841, 17097, 247, 126, 16736, 122, 15107, 244, 218,
+            ],
+        ),
+        (
+            "Super Bowl 50 in 2015: 24–10",
+            &[
+                22959, 33926, 216, 37, 32, 281, 216, 34, 32, 33, 37, 42, 216, 34, 36, 1494, 33, 32,
+            ],
+        ),
         ("<|im_start|>user\nhi<|im_end|>", &[1, 4093, 198, 6004, 2]),
     ];
     for (s, want) in cases {
