@@ -15,16 +15,45 @@ use tolerable_runtime::{Checkpoint, GreedyOptions, Precision};
 use tolerable_stats::{difference, Proportion};
 
 /// Options of the anchors command.
+#[derive(clap::Args)]
 pub struct AnchorArgs {
+    /// Model id or path.
+    #[arg(long, default_value = "qwen2.5-coder-0.5b-instruct")]
     pub model: String,
+    /// Items.
+    #[arg(long, default_value_t = 200)]
     pub n: usize,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Prompt template: raw or chat.
+    #[arg(long, default_value = "raw", value_parser = parse_template)]
     pub template: Template,
+    /// SQuAD dev JSON or parquet file, a folder holding squad-dev.json, or
+    /// `hf` for rajpurkar/squad through hf-hub (default: $TOLERABLE_SQUAD_DIR).
+    #[arg(long)]
     pub squad: Option<PathBuf>,
+    /// Use the synthetic fact probe instead of SQuAD.
+    #[arg(long)]
     pub synthetic: bool,
+    /// Longest prompt kept, in tokens (also capped by the model's context).
+    #[arg(long, default_value_t = 512)]
     pub max_prompt_tokens: usize,
+    /// Greedy tokens per item.
+    #[arg(long, default_value_t = 8)]
     pub new_tokens: usize,
+    /// Write summary and per-item rows as JSON here (resumable: finished
+    /// items are logged beside it as they complete).
+    #[arg(long)]
     pub out: Option<PathBuf>,
+}
+
+fn parse_template(s: &str) -> std::result::Result<Template, String> {
+    match s {
+        "raw" => Ok(Template::Raw),
+        "chat" => Ok(Template::Chat),
+        other => Err(format!("unknown template `{other}` (raw or chat)")),
+    }
 }
 
 #[derive(Serialize, serde::Deserialize)]

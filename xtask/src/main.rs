@@ -61,35 +61,7 @@ enum Cmd {
         quantized: bool,
     },
     /// Floor and native reference of the split-context probe on n items.
-    Anchors {
-        /// Model id or path.
-        #[arg(long, default_value = "qwen2.5-coder-0.5b-instruct")]
-        model: String,
-        /// Items.
-        #[arg(long, default_value_t = 200)]
-        n: usize,
-        /// Sampling seed.
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Prompt template: raw or chat.
-        #[arg(long, default_value = "raw")]
-        template: String,
-        /// SQuAD dev JSON file or folder (default: $TOLERABLE_SQUAD_DIR).
-        #[arg(long)]
-        squad: Option<PathBuf>,
-        /// Use the synthetic fact probe instead of SQuAD.
-        #[arg(long)]
-        synthetic: bool,
-        /// Longest prompt kept, in tokens.
-        #[arg(long, default_value_t = 512)]
-        max_prompt_tokens: usize,
-        /// Greedy tokens per item.
-        #[arg(long, default_value_t = 8)]
-        new_tokens: usize,
-        /// Write summary and per-item rows as JSON here.
-        #[arg(long)]
-        out: Option<PathBuf>,
-    },
+    Anchors(anchors::AnchorArgs),
     /// Speed figures, as ratios against candle-transformers in the same run.
     Bench {
         /// Model id or path.
@@ -178,34 +150,7 @@ fn main() -> Result<()> {
                 anyhow::bail!("a gate failed on {model}");
             }
         }
-        Cmd::Anchors {
-            model,
-            n,
-            seed,
-            template,
-            squad,
-            synthetic,
-            max_prompt_tokens,
-            new_tokens,
-            out,
-        } => {
-            let template = match template.as_str() {
-                "raw" => tolerable_probe::Template::Raw,
-                "chat" => tolerable_probe::Template::Chat,
-                other => anyhow::bail!("unknown template `{other}` (raw or chat)"),
-            };
-            anchors::run(anchors::AnchorArgs {
-                model,
-                n,
-                seed,
-                template,
-                squad,
-                synthetic,
-                max_prompt_tokens,
-                new_tokens,
-                out,
-            })?
-        }
+        Cmd::Anchors(args) => anchors::run(args)?,
         Cmd::Bench {
             model,
             json,

@@ -15,6 +15,10 @@ fn tiny(spec: &TinySpec, precision: Precision) -> (tempfile::TempDir, Checkpoint
     (dir, ck)
 }
 
+fn abs_sum(t: &Tensor) -> f32 {
+    t.abs().unwrap().sum_all().unwrap().to_scalar().unwrap()
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
         .unwrap()
@@ -411,29 +415,9 @@ fn interventions_edit_only_their_sites() {
     let mut c = m.new_cache(1);
     m.forward(&t, &mut c, &spec, LogitsAt::None).unwrap();
     let v = c.layer(0).unwrap().v.clone();
-    let z: f32 = v
-        .narrow(1, 1, 1)
-        .unwrap()
-        .narrow(2, 2, 1)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap();
-    assert_eq!(z, 0.0);
-    let nz: f32 = v
-        .narrow(1, 0, 1)
-        .unwrap()
-        .narrow(2, 2, 1)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap();
+    let site = |head: usize| abs_sum(&v.narrow(1, head, 1).unwrap().narrow(2, 2, 1).unwrap());
+    assert_eq!(site(1), 0.0);
+    let nz = site(0);
     assert!(nz > 0.0);
 }
 
@@ -482,8 +466,7 @@ fn differentiable_kernels_agree_and_pass_gradients() {
     let g = grads
         .get(src.as_tensor())
         .expect("a gradient for the injected residual");
-    let gsum: f32 = g.abs().unwrap().sum_all().unwrap().to_scalar().unwrap();
-    assert!(gsum > 0.0);
+    assert!(abs_sum(g) > 0.0);
 }
 
 #[test]
