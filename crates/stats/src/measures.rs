@@ -111,7 +111,7 @@ mod tests {
 
     #[test]
     fn pearson_values() {
-        assert!((pearson(&[1., 2., 3.], &[2., 4., 6.5]).unwrap() - 0.99926).abs() < 1e-4);
+        assert!((pearson(&[1., 2., 3.], &[2., 4., 6.5]).unwrap() - 0.997_949).abs() < 1e-5); // statistics.correlation
         assert!((pearson(&[1., 2., 3.], &[3., 2., 1.]).unwrap() + 1.0).abs() < 1e-12);
         assert_eq!(pearson(&[1., 1.], &[1., 2.]).unwrap(), 0.0);
     }
