@@ -90,12 +90,9 @@ pub fn parity(ck: &Checkpoint, prompts: &[String], n_new: usize) -> Result<Parit
         let a: Vec<u32> = ours_logits.argmax(1)?.to_vec1()?;
         let b: Vec<u32> = ref_logits.argmax(1)?.to_vec1()?;
         let agree = a.iter().zip(&b).filter(|(x, y)| x == y).count();
-        let mut cache = model.new_cache(1);
-        let g = model.generate(
-            std::slice::from_ref(&ids),
-            &mut cache,
-            &crate::GreedyOptions::tokens(n_new),
-        )?;
+        // Decode on from the cache the logit pass built: no second prefill.
+        let last = ours_logits.narrow(0, ids.len() - 1, 1)?;
+        let g = model.decode_from(&last, &mut cache, &crate::GreedyOptions::tokens(n_new))?;
         let ours = ck.tokenizer.decode(&g.tokens[0])?;
         let reference_ids = reference.greedy(&ids, n_new)?;
         let reference_text = ck.tokenizer.decode(&reference_ids)?;

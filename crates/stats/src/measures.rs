@@ -13,39 +13,40 @@ fn same_len(a: &[f32], b: &[f32]) -> Result<()> {
     Ok(())
 }
 
-/// Cosine similarity a·b / (|a||b|), in f64; 0 when either vector is zero.
-pub fn cosine(a: &[f32], b: &[f32]) -> Result<f64> {
-    same_len(a, b)?;
+/// a·b / (|a||b|) over f64 values; 0 when either is zero.
+fn cosine_f64(a: impl Iterator<Item = f64>, b: impl Iterator<Item = f64>) -> f64 {
     let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        let (x, y) = (x as f64, y as f64);
+    for (x, y) in a.zip(b) {
         ab += x * y;
         aa += x * x;
         bb += y * y;
     }
     if aa == 0.0 || bb == 0.0 {
-        return Ok(0.0);
+        return 0.0;
     }
-    Ok(ab / (aa.sqrt() * bb.sqrt()))
+    ab / (aa.sqrt() * bb.sqrt())
 }
 
-/// Pearson correlation; 0 when either input is constant.
+/// Cosine similarity a·b / (|a||b|), in f64; 0 when either vector is zero.
+pub fn cosine(a: &[f32], b: &[f32]) -> Result<f64> {
+    same_len(a, b)?;
+    Ok(cosine_f64(
+        a.iter().map(|&x| x as f64),
+        b.iter().map(|&y| y as f64),
+    ))
+}
+
+/// Pearson correlation (the cosine of the centred vectors); 0 when either
+/// input is constant.
 pub fn pearson(a: &[f32], b: &[f32]) -> Result<f64> {
     same_len(a, b)?;
     let n = a.len() as f64;
     let ma = a.iter().map(|&x| x as f64).sum::<f64>() / n;
     let mb = b.iter().map(|&x| x as f64).sum::<f64>() / n;
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        let (x, y) = (x as f64 - ma, y as f64 - mb);
-        ab += x * y;
-        aa += x * x;
-        bb += y * y;
-    }
-    if aa == 0.0 || bb == 0.0 {
-        return Ok(0.0);
-    }
-    Ok(ab / (aa.sqrt() * bb.sqrt()))
+    Ok(cosine_f64(
+        a.iter().map(|&x| x as f64 - ma),
+        b.iter().map(|&y| y as f64 - mb),
+    ))
 }
 
 /// |a − b| / |b|: the displacement of `a` relative to the reference `b`.
