@@ -7,24 +7,22 @@ fn xtask() -> Command {
     Command::new(env!("CARGO_BIN_EXE_xtask"))
 }
 
-#[test]
-fn generate_prints_the_documented_json() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    write_gguf(&TinySpec::default(), &model).unwrap();
-    let prompt = dir.path().join("prompt.txt");
-    std::fs::write(&prompt, "the theory").unwrap();
+/// Runs `xtask generate --json` on a model and prompt file and parses its output.
+fn generate_json(
+    model: &std::path::Path,
+    prompt: &std::path::Path,
+    extra: &[&str],
+) -> serde_json::Value {
     let out = xtask()
         .args([
             "generate",
+            "--json",
             "--model",
             model.to_str().unwrap(),
             "--prompt-file",
             prompt.to_str().unwrap(),
-            "--tokens",
-            "5",
-            "--json",
         ])
+        .args(extra)
         .output()
         .unwrap();
     assert!(
@@ -32,7 +30,17 @@ fn generate_prints_the_documented_json() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii()).unwrap();
+    serde_json::from_slice(out.stdout.trim_ascii()).unwrap()
+}
+
+#[test]
+fn generate_prints_the_documented_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    write_gguf(&TinySpec::default(), &model).unwrap();
+    let prompt = dir.path().join("prompt.txt");
+    std::fs::write(&prompt, "the theory").unwrap();
+    let v = generate_json(&model, &prompt, &["--tokens", "5"]);
     assert_eq!(v["continuation_ids"].as_array().unwrap().len(), 5);
     assert!(!v["prompt_ids"].as_array().unwrap().is_empty());
     assert!(v["continuation"].is_string());
@@ -43,21 +51,7 @@ fn generate_prints_the_documented_json() {
     let l: Vec<f64> = top5.iter().map(|p| p[1].as_f64().unwrap()).collect();
     assert!(l.windows(2).all(|w| w[0] >= w[1]));
     // --chat wraps the prompt in the model's template.
-    let chat = xtask()
-        .args([
-            "generate",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompt-file",
-            prompt.to_str().unwrap(),
-            "--tokens",
-            "2",
-            "--json",
-            "--chat",
-        ])
-        .output()
-        .unwrap();
-    let c: serde_json::Value = serde_json::from_slice(chat.stdout.trim_ascii()).unwrap();
+    let c = generate_json(&model, &prompt, &["--tokens", "2", "--chat"]);
     assert!(c["prompt_ids"].as_array().unwrap().len() > v["prompt_ids"].as_array().unwrap().len());
 }
 

@@ -32,6 +32,15 @@ fn load(id: &str, precision: Precision) -> Option<Checkpoint> {
     Some(Checkpoint::load(id, precision, &Device::Cpu).unwrap())
 }
 
+/// Each string encodes to its pinned ids and decodes back to itself.
+fn check_pinned(tk: &tolerable_runtime::Tokenizer, cases: &[(&str, &[u32])]) {
+    for &(s, want) in cases {
+        let ids = tk.encode(s).unwrap();
+        assert_eq!(ids, want, "{s:?}");
+        assert_eq!(tk.decode(&ids).unwrap(), s);
+    }
+}
+
 fn all_gates(ck: &Checkpoint) {
     let r = gates::parity(ck, &parity_prompts(), 8).unwrap();
     for p in &r.prompts {
@@ -103,11 +112,7 @@ fn qwen05_tokenizer_ids_pinned_from_tiktoken() {
             &[151644, 872, 198, 6023, 151645],
         ),
     ];
-    for (s, want) in cases {
-        let ids = ck.tokenizer.encode(s).unwrap();
-        assert_eq!(ids, want, "{s:?}");
-        assert_eq!(ck.tokenizer.decode(&ids).unwrap(), s);
-    }
+    check_pinned(&ck.tokenizer, &cases);
     let chat = ck.tokenizer.apply_chat_template("hi").unwrap();
     assert!(
         chat.starts_with("<|im_start|>system\n")
@@ -241,9 +246,5 @@ fn smollm2_tokenizer_ids_pinned_from_tiktoken() {
         ),
         ("<|im_start|>user\nhi<|im_end|>", &[1, 4093, 198, 6004, 2]),
     ];
-    for (s, want) in cases {
-        let ids = tk.encode(s).unwrap();
-        assert_eq!(ids, want, "{s:?}");
-        assert_eq!(tk.decode(&ids).unwrap(), s);
-    }
+    check_pinned(&tk, &cases);
 }
