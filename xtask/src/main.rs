@@ -4,11 +4,14 @@
 //! - `generate --model <id> --prompt-file F --tokens N [--json] [--chat]`.
 //! - `gates --model <id>`: run the parity, rebuild and identity gates.
 //! - `bench [--model <id>] [--json]`: speed figures as ratios against candle-transformers.
+//! - `sweep [--config F] [--out D] [--shard i/n] [--data squad_dev=P] [--n N]`: run a sweep.
+//! - `report <run-dir>`: Markdown tables and plots of a finished run.
 #![allow(clippy::cloned_ref_to_slice_refs)] // `&[ids.clone()]` reads better as a batch of one
 
 mod anchors;
 mod bench;
 mod prompts;
+mod sweep;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -62,6 +65,14 @@ enum Cmd {
     },
     /// Floor and native reference of the split-context probe on n items.
     Anchors(anchors::AnchorArgs),
+    /// Run a sweep config (default configs/quickstart.toml): gates, then
+    /// resumable cells of Parquet records, then the summary and report.
+    Sweep(sweep::SweepArgs),
+    /// Markdown tables and PNG plots of a finished run folder.
+    Report {
+        /// The run folder (holding run.json and summary.parquet).
+        dir: PathBuf,
+    },
     /// Speed figures, as ratios against candle-transformers in the same run.
     Bench {
         /// Model id or path.
@@ -151,6 +162,8 @@ fn main() -> Result<()> {
             }
         }
         Cmd::Anchors(args) => anchors::run(args)?,
+        Cmd::Sweep(args) => sweep::run(args)?,
+        Cmd::Report { dir } => sweep::report(dir)?,
         Cmd::Bench {
             model,
             json,

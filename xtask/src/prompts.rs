@@ -1,38 +1,11 @@
-//! The gate runner: every runtime gate on one model, as one JSON report.
+//! The gate runner: every runtime gate on one model, as one JSON report
+//! (the driver's gate set, which sweeps also run before writing records).
 
 use anyhow::Result;
-use tolerable_runtime::gates::{self, parity_prompts, SQUAD_PROMPT};
-use tolerable_runtime::{Checkpoint, Precision};
+use tolerable_runtime::Checkpoint;
 
 /// Runs parity (f32; optionally quantized), rebuild and identity on `ck` and
 /// returns their reports with an overall `passed`.
 pub fn run_gates(ck: &Checkpoint, quantized: bool) -> Result<serde_json::Value> {
-    let prompts = parity_prompts();
-    let parity = gates::parity(ck, &prompts, 8)?;
-    let ids = ck.tokenizer.encode(SQUAD_PROMPT)?;
-    let rebuild = gates::rebuild(&ck.model, &ids)?;
-    let split = ids.len() - 14;
-    let identity = gates::identity(&ck.model, &ids[..split], &ids[split..])?;
-    let mut passed = parity.passed && rebuild.passed && identity.passed;
-    let mut out = serde_json::json!({
-        "model": ck.id,
-        "sha256": ck.sha256,
-        "parity_f32": parity,
-        "rebuild": rebuild,
-        "identity": identity,
-    });
-    if quantized {
-        let q = Checkpoint::load_gguf(
-            &ck.id,
-            &ck.path,
-            ck.sha256.clone(),
-            Precision::Quantized,
-            ck.model.device(),
-        )?;
-        let pq = gates::parity(&q, &prompts, 8)?;
-        passed &= pq.passed;
-        out["parity_quantized"] = serde_json::to_value(pq)?;
-    }
-    out["passed"] = passed.into();
-    Ok(out)
+    Ok(tolerable_driver::gates::run_all(ck, quantized)?)
 }

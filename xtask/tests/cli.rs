@@ -136,3 +136,210 @@ fn anchors_resume_from_a_partial_log_with_identical_rows() {
     assert_eq!(second["items"], first["items"]);
     assert!(!partial.exists());
 }
+
+const SWEEP_ARMS: &str = r#"
+[[arms]]
+name = "identity"
+expect = "native"
+inject = { carrier = "kv", positions = "all", source = "native" }
+
+[[arms]]
+name = "kv_augment"
+inject = { carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }
+
+[[arms]]
+name = "act_replace"
+controls = ["act_noop"]
+inject = { carrier = "h", positions = "fact_region", source = "holder" }
+grid = { layers = [0, 1, 2] }
+
+[[arms]]
+name = "act_noop"
+expect = "floor"
+inject = { carrier = "h", positions = "fact_region", source = "own" }
+grid = { layers = [0, 1, 2] }
+"#;
+
+fn sweep_config(dir: &std::path::Path, model: &std::path::Path, n: usize) -> std::path::PathBuf {
+    let text = format!(
+        "[run]\nname = \"kill\"\nmodel = \"{}\"\nseed = 1\nnew_tokens = 6\ncell_items = 1\n\n[data]\nsource = \"synthetic\"\nn = {n}\n{SWEEP_ARMS}",
+        model.display()
+    );
+    let p = dir.join("sweep.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// The rows of a Parquet file, read with the `parquet` crate, without the
+/// wall-clock columns.
+fn parquet_rows(path: &std::path::Path) -> Vec<String> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let r = SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
+    r.get_row_iter(None)
+        .unwrap()
+        .map(|row| {
+            row.unwrap()
+                .get_column_iter()
+                .filter(|(name, _)| !matches!(name.as_str(), "seconds" | "seconds_per_item"))
+                .map(|(name, f)| format!("{name}={f}"))
+                .collect::<Vec<_>>()
+                .join("|")
+        })
+        .collect()
+}
+
+#[test]
+fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    write_gguf(
+        &TinySpec {
+            context_length: 1024,
+            ..TinySpec::default()
+        },
+        &model,
+    )
+    .unwrap();
+    let n = 16;
+    let cfg = sweep_config(dir.path(), &model, n);
+    let sweep = |out: &std::path::Path| {
+        let o = xtask()
+            .args([
+                "sweep",
+                "--config",
+                cfg.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let whole = dir.path().join("whole");
+    sweep(&whole);
+    // The same sweep, killed with SIGKILL once its first cells are written.
+    let killed = dir.path().join("killed");
+    let mut child = xtask()
+        .args([
+            "sweep",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            killed.to_str().unwrap(),
+        ])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let first = killed.join("items").join("cell-00001.parquet");
+    let t0 = std::time::Instant::now();
+    while !first.exists() {
+        assert!(t0.elapsed().as_secs() < 300, "no cell written in 300 s");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let done = |d: &std::path::Path| tolerable_driver::records::cell_files(d).unwrap().len();
+    assert!(done(&killed) < n, "the sweep finished before the kill");
+    assert!(!killed.join("summary.parquet").exists());
+    sweep(&killed);
+    assert_eq!(done(&killed), n);
+    for c in 0..n {
+        let name = format!("items/cell-{c:05}.parquet");
+        assert_eq!(
+            parquet_rows(&whole.join(&name)),
+            parquet_rows(&killed.join(&name)),
+            "{name}"
+        );
+    }
+    assert_eq!(
+        parquet_rows(&whole.join("summary.parquet")),
+        parquet_rows(&killed.join("summary.parquet"))
+    );
+    // No temporary files are left behind.
+    for e in std::fs::read_dir(killed.join("items")).unwrap() {
+        let name = e.unwrap().file_name().into_string().unwrap();
+        assert!(
+            name.starts_with("cell-") && name.ends_with(".parquet"),
+            "{name}"
+        );
+    }
+    // Shards merge: two shards into one folder, then --merge writes the summary.
+    let sharded = dir.path().join("sharded");
+    for s in ["0/2", "1/2"] {
+        let o = xtask()
+            .args([
+                "sweep",
+                "--config",
+                cfg.to_str().unwrap(),
+                "--out",
+                sharded.to_str().unwrap(),
+                "--shard",
+                s,
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let o = xtask()
+        .args([
+            "sweep",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            sharded.to_str().unwrap(),
+            "--merge",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        parquet_rows(&whole.join("summary.parquet")),
+        parquet_rows(&sharded.join("summary.parquet"))
+    );
+}
+
+#[test]
+fn bad_sweep_configs_fail_before_any_work_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    write_gguf(
+        &TinySpec {
+            context_length: 1024,
+            ..TinySpec::default()
+        },
+        &model,
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let run = |text: &str| {
+        let p = dir.path().join("bad.toml");
+        std::fs::write(&p, text).unwrap();
+        let o = xtask()
+            .args([
+                "sweep",
+                "--config",
+                p.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        assert!(!o.status.success());
+        String::from_utf8_lossy(&o.stderr).to_string()
+    };
+    let head = format!(
+        "[run]\nname = \"bad\"\nmodel = \"{}\"\n[data]\nsource = \"synthetic\"\nn = 2\n",
+        model.display()
+    );
+    let e = run(&format!("{head}[[arms]]\nname = \"a\"\ninject = {{ carrier = \"h\", layers = 7, source = \"holder\" }}\n"));
+    assert!(
+        e.contains("arms[0].inject[0].layers") && e.contains("layer 7"),
+        "{e}"
+    );
+    let e = run(&format!("{head}[[arms]]\nname = \"a\"\ninject = {{ carrier = \"h\", source = \"holder\", colour = 1 }}\n"));
+    assert!(e.contains("colour"), "{e}");
+    let e =
+        run("[run]\nname = \"bad\"\n[data]\nsource = \"synthetic\"\nn = 2\n[[arms]]\nname = 3\n");
+    assert!(e.contains("name"), "{e}");
+    assert!(!out.exists(), "a failed config wrote {}", out.display());
+}

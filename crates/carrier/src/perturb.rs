@@ -1,0 +1,283 @@
+//! Perturbations of a carrier: cosine-calibrated isotropic noise, sparse
+//! damage, integer quantization round trips — and, as data for later
+//! experiments, on-manifold moves toward genuine neighbours.
+
+use crate::error::{CarrierError, Result};
+use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// A perturbation of the source carrier before it is injected.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Perturbation {
+    /// Isotropic Gaussian noise scaled per item and layer so the perturbed
+    /// carrier reaches `target_cosine` to the original at the sites.
+    CosineNoise {
+        /// Cosine of perturbed to original, in (0, 1].
+        target_cosine: f64,
+    },
+    /// A move toward the nearest genuine (bank) neighbour to a matched
+    /// cosine: the on-manifold counterpart of `CosineNoise`.
+    NearestGenuine {
+        /// Cosine of perturbed to original.
+        target_cosine: f64,
+    },
+    /// Destroys (zeroes) a random fraction of the coordinates.
+    SparseDamage {
+        /// Fraction of coordinates destroyed, in [0, 1].
+        fraction: f64,
+    },
+    /// A symmetric per-vector integer round trip.
+    Quantize {
+        /// Bits per coordinate (8 or 4).
+        bits: u8,
+    },
+}
+
+impl Perturbation {
+    /// Short name used in records.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Perturbation::CosineNoise { .. } => "cosine_noise",
+            Perturbation::NearestGenuine { .. } => "nearest_genuine",
+            Perturbation::SparseDamage { .. } => "sparse_damage",
+            Perturbation::Quantize { .. } => "quantize",
+        }
+    }
+
+    /// The target cosine, where the perturbation has one.
+    pub fn target_cosine(&self) -> Option<f64> {
+        match self {
+            Perturbation::CosineNoise { target_cosine }
+            | Perturbation::NearestGenuine { target_cosine } => Some(*target_cosine),
+            _ => None,
+        }
+    }
+
+    /// Checks the parameters (`field` names the config field in errors).
+    pub fn validate(&self, field: &str) -> Result<()> {
+        let bad = |m: String| Err(CarrierError::BadPerturbation(format!("{field}: {m}")));
+        match self {
+            Perturbation::CosineNoise { target_cosine }
+            | Perturbation::NearestGenuine { target_cosine } => {
+                if !(*target_cosine > 0.0 && *target_cosine <= 1.0) {
+                    return bad(format!("target_cosine {target_cosine} is not in (0, 1]"));
+                }
+            }
+            Perturbation::SparseDamage { fraction } => {
+                if !(0.0..=1.0).contains(fraction) {
+                    return bad(format!("fraction {fraction} is not in [0, 1]"));
+                }
+            }
+            Perturbation::Quantize { bits } => {
+                if !matches!(bits, 4 | 8) {
+                    return bad(format!("bits {bits}: only 8 and 4 are supported"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether this runner can apply it (the on-manifold move needs a key bank).
+    pub fn is_implemented(&self) -> bool {
+        !matches!(self, Perturbation::NearestGenuine { .. })
+    }
+
+    /// `x` perturbed, calibrated on the sites where `mask` (same shape, 1 =
+    /// site; `None` = everywhere) is set. Deterministic in `seed`.
+    pub fn apply(&self, x: &Tensor, mask: Option<&Tensor>, seed: u64) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let xs: Vec<f32> = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+        let ms: Vec<bool> = match mask {
+            Some(m) => m
+                .broadcast_as(x.shape())?
+                .flatten_all()?
+                .to_dtype(DType::U8)?
+                .to_vec1::<u8>()?
+                .into_iter()
+                .map(|v| v != 0)
+                .collect(),
+            None => vec![true; xs.len()],
+        };
+        let mut rng = Gaussian::new(seed);
+        let out: Vec<f32> = match self {
+            Perturbation::CosineNoise { target_cosine } => {
+                let noise: Vec<f32> = (0..xs.len()).map(|_| rng.next() as f32).collect();
+                let (mut a, mut b, mut e) = (0f64, 0f64, 0f64);
+                for i in 0..xs.len() {
+                    if ms[i] {
+                        let (xi, ni) = (xs[i] as f64, noise[i] as f64);
+                        a += xi * xi;
+                        b += xi * ni;
+                        e += ni * ni;
+                    }
+                }
+                let s = noise_scale(a, b, e, *target_cosine);
+                xs.iter()
+                    .zip(&noise)
+                    .map(|(&xi, &ni)| xi + (s * ni as f64) as f32)
+                    .collect()
+            }
+            Perturbation::SparseDamage { fraction } => xs
+                .iter()
+                .map(|&xi| if rng.uniform() < *fraction { 0.0 } else { xi })
+                .collect(),
+            Perturbation::Quantize { bits } => {
+                let last = *dims.last().unwrap_or(&1);
+                let qmax = ((1i32 << (bits - 1)) - 1) as f32;
+                xs.chunks(last.max(1))
+                    .flat_map(|v| {
+                        let m = v.iter().fold(0f32, |m, &x| m.max(x.abs()));
+                        let scale = if m > 0.0 { m / qmax } else { 1.0 };
+                        v.iter()
+                            .map(move |&x| (x / scale).round().clamp(-qmax, qmax) * scale)
+                    })
+                    .collect()
+            }
+            Perturbation::NearestGenuine { .. } => {
+                return Err(CarrierError::BadPerturbation(
+                    "nearest_genuine needs a key bank, which this runner does not build yet".into(),
+                ))
+            }
+        };
+        // Only the sites change; everything else stays bit-exact.
+        let out: Vec<f32> = out
+            .into_iter()
+            .zip(xs.iter())
+            .zip(ms.iter())
+            .map(|((o, &x), &m)| if m { o } else { x })
+            .collect();
+        Ok(Tensor::from_vec(out, dims, x.device())?.to_dtype(x.dtype())?)
+    }
+}
+
+/// The scale s > 0 with cos(x, x + s n) = c, given a = |x|², b = x·n,
+/// e = |n|²: the positive root of (b² − c²ae) s² + 2ab(1 − c²) s + a²(1 − c²) = 0.
+fn noise_scale(a: f64, b: f64, e: f64, c: f64) -> f64 {
+    if c >= 1.0 || a == 0.0 || e == 0.0 {
+        return 0.0;
+    }
+    let qa = b * b - c * c * a * e;
+    let qb = 2.0 * a * b * (1.0 - c * c);
+    let qc = a * a * (1.0 - c * c);
+    let disc = (qb * qb - 4.0 * qa * qc).max(0.0);
+    (-qb - disc.sqrt()) / (2.0 * qa)
+}
+
+/// Seeded standard normal draws (SplitMix64 and Box–Muller).
+struct Gaussian {
+    state: u64,
+    spare: Option<f64>,
+}
+
+impl Gaussian {
+    fn new(seed: u64) -> Self {
+        Self {
+            state: seed ^ 0x5DEE_CE66_D1CE_4E5B,
+            spare: None,
+        }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn next(&mut self) -> f64 {
+        if let Some(s) = self.spare.take() {
+            return s;
+        }
+        let u1 = self.uniform().max(f64::MIN_POSITIVE);
+        let u2 = self.uniform();
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = std::f64::consts::TAU * u2;
+        self.spare = Some(r * t.sin());
+        r * t.cos()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn cos(a: &[f32], b: &[f32]) -> f64 {
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        dot / (na * nb)
+    }
+
+    #[test]
+    fn cosine_noise_reaches_its_target_and_is_seeded() {
+        let x: Vec<f32> = (0..2048)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let t = Tensor::from_vec(x.clone(), (1, 2, 16, 64), &Device::Cpu).unwrap();
+        for target in [0.99, 0.95, 0.9, 0.5] {
+            let p = Perturbation::CosineNoise {
+                target_cosine: target,
+            };
+            let y: Vec<f32> = p
+                .apply(&t, None, 7)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert!(
+                (cos(&x, &y) - target).abs() < 1e-4,
+                "{target}: {}",
+                cos(&x, &y)
+            );
+            let y2: Vec<f32> = p
+                .apply(&t, None, 7)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(y, y2);
+        }
+    }
+
+    #[test]
+    fn perturbations_touch_only_the_sites() {
+        let x: Vec<f32> = (0..64).map(|i| i as f32 + 1.0).collect();
+        let t = Tensor::from_vec(x.clone(), (1, 8, 8), &Device::Cpu).unwrap();
+        let mask =
+            Tensor::from_vec(vec![0u8, 0, 1, 1, 0, 0, 0, 0], (1, 8, 1), &Device::Cpu).unwrap();
+        for p in [
+            Perturbation::CosineNoise { target_cosine: 0.9 },
+            Perturbation::SparseDamage { fraction: 0.5 },
+            Perturbation::Quantize { bits: 4 },
+        ] {
+            let y: Vec<f32> = p
+                .apply(&t, Some(&mask), 1)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(&y[..16], &x[..16], "{p:?}");
+            assert_eq!(&y[32..], &x[32..], "{p:?}");
+            assert_ne!(&y[16..32], &x[16..32], "{p:?}");
+            let sites_x = &x[16..32];
+            let sites_y = &y[16..32];
+            if let Perturbation::CosineNoise { target_cosine } = p {
+                assert!((cos(sites_x, sites_y) - target_cosine).abs() < 1e-4);
+            }
+        }
+        assert!(Perturbation::Quantize { bits: 3 }.validate("p").is_err());
+        assert!(Perturbation::CosineNoise { target_cosine: 1.5 }
+            .validate("p")
+            .is_err());
+    }
+}

@@ -1,0 +1,370 @@
+//! The arm grammar: what fills each slot of the receiver's forward pass on
+//! one item. Arms are plain data and round-trip through TOML.
+//!
+//! An arm has a base pass (the receiver on the masked or the full passage)
+//! and zero or more injections. Each injection names a carrier (k, v, kv, h)
+//! and its sites (layers, positions, heads), a source (own state, native
+//! state, holder, another item, a bank or codebook selection, a pool of
+//! holders, a cached delta), a mechanism (replace, interpolate, add, append)
+//! and an optional perturbation of the source.
+
+use serde::{Deserialize, Serialize};
+use tolerable_carrier::{Carrier, LayerSet, Mechanism, Perturbation, Positions};
+
+/// The receiver's own pass an arm starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Base {
+    /// The answer-masked passage (the floor, with no injection).
+    #[default]
+    Masked,
+    /// The full passage (the native reference, with no injection).
+    Full,
+}
+
+impl Base {
+    /// Short name used in records.
+    pub fn name(self) -> &'static str {
+        match self {
+            Base::Masked => "masked",
+            Base::Full => "full",
+        }
+    }
+}
+
+/// Where the injected object comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// The receiver's own state on the base pass (the no-op control).
+    Own,
+    /// The receiver's own state on the full passage, C* (the identity arm).
+    Native,
+    /// The holder's state on the full passage (the receiver's weights unless
+    /// the arm names a holder model).
+    Holder,
+    /// The holder's state on another item's full passage (mismatch / mis-source).
+    OtherItem,
+    /// A selection from a bank of genuine states the receiver produced on
+    /// other contexts (PROTOCOL §5, key bank).
+    Bank(BankSpec),
+    /// A codebook reconstruction (PROTOCOL §5, codebooks).
+    Codebook(CodebookSpec),
+    /// A routed combination over a pool of holders (PROTOCOL §6 activation
+    /// augmentation, §7 sender pools).
+    Pool(PoolSpec),
+    /// A cached hidden-state delta (PROTOCOL §10, Mode D).
+    Delta(DeltaSpec),
+}
+
+impl Source {
+    /// Short name used in records.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Source::Own => "own",
+            Source::Native => "native",
+            Source::Holder => "holder",
+            Source::OtherItem => "other_item",
+            Source::Bank(_) => "bank",
+            Source::Codebook(_) => "codebook",
+            Source::Pool(_) => "pool",
+            Source::Delta(_) => "delta",
+        }
+    }
+}
+
+/// A key bank and which neighbour to take.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BankSpec {
+    /// Genuine keys per layer and kv head (6,000 by default).
+    #[serde(default = "default_bank_size")]
+    pub size: usize,
+    /// Take the k-th nearest (cosine) neighbour of each true key (1 = nearest).
+    #[serde(default = "one")]
+    pub neighbour: usize,
+}
+
+fn default_bank_size() -> usize {
+    6000
+}
+fn one() -> usize {
+    1
+}
+
+/// How a codebook is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Construction {
+    /// k-means centroids.
+    Kmeans,
+    /// Principal components.
+    Pca,
+    /// A random subset of genuine vectors.
+    RandomSubset,
+}
+
+/// How a vector is snapped to a codebook.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Snapping {
+    /// Nearest entry by L2.
+    L2,
+    /// Nearest entry by cosine.
+    Cosine,
+    /// Projection onto the span of the entries.
+    Projection,
+}
+
+/// A codebook reconstruction of the carrier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CodebookSpec {
+    /// Construction.
+    pub construction: Construction,
+    /// Snapping rule.
+    pub snapping: Snapping,
+    /// Entries (or components).
+    pub size: usize,
+}
+
+/// How a pool's holders are weighted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Router {
+    /// Equal weights.
+    Uniform,
+    /// All weight on the answer holder.
+    Oracle,
+    /// A trained router (PROTOCOL §7).
+    Trained,
+}
+
+/// Which passages a pool's holders read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolMembers {
+    /// One holder read the answer passage, the others distractors.
+    #[default]
+    WithAnswer,
+    /// As `WithAnswer`, but the answer holder also read the masked passage (control).
+    AnswerMasked,
+    /// Distractors only (control).
+    DistractorsOnly,
+}
+
+/// A pool of holders combined by a router.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSpec {
+    /// Holders in the pool.
+    pub n: usize,
+    /// Weighting.
+    pub router: Router,
+    /// Which passages they read.
+    #[serde(default)]
+    pub members: PoolMembers,
+}
+
+/// Which cached delta Mode D adds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeltaSpec {
+    /// The delta observed at the edit site, broadcast downstream.
+    EditSite,
+    /// The archetype's mean delta from other contexts.
+    ArchetypeMean,
+}
+
+/// One injection into the receiver's pass.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Injection {
+    /// The carrier: k, v, kv or h.
+    pub carrier: Carrier,
+    /// Layers (default: all).
+    #[serde(default = "all_layers")]
+    pub layers: LayerSet,
+    /// Positions (default: the fact region).
+    #[serde(default)]
+    pub positions: Positions,
+    /// KV heads (KV carriers only; default: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heads: Option<Vec<usize>>,
+    /// Where the injected object comes from.
+    pub source: Source,
+    /// How it enters (default: replace).
+    #[serde(default = "replace")]
+    pub mechanism: Mechanism,
+    /// The weight of interpolate and add.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alpha: Option<f64>,
+    /// A perturbation of the source before injection.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perturb: Option<Perturbation>,
+}
+
+fn all_layers() -> LayerSet {
+    LayerSet::All
+}
+fn replace() -> Mechanism {
+    Mechanism::Replace
+}
+
+/// A frozen linear map between two models' carrier spaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProjectionKind {
+    /// Truncated SVD of the least-squares map.
+    Svd,
+    /// Ordinary least squares.
+    Lstsq,
+}
+
+/// The projection a sender of another geometry goes through.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Projection {
+    /// The fit.
+    pub kind: ProjectionKind,
+    /// Items it is fitted on (40 by default).
+    #[serde(default = "forty")]
+    pub fit_items: usize,
+}
+
+fn forty() -> usize {
+    40
+}
+
+/// A holder other than the receiver's own weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Holder {
+    /// Model id or path of the sender.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Build the sender by re-quantizing the receiver to this GGUF type (held-out senders).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requantize: Option<String>,
+    /// The projection a sender of another cache shape goes through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub projection: Option<Projection>,
+}
+
+/// Which projections a bridge adapts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BridgeTargets {
+    /// The query projection.
+    Q,
+    /// Key and value projections.
+    Kv,
+    /// Query, key and value projections.
+    Qkv,
+    /// The router of a pool only.
+    Router,
+}
+
+/// A small trained bridge (PROTOCOL §7).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bridge {
+    /// What it adapts.
+    pub targets: BridgeTargets,
+    /// LoRA rank (16 by default).
+    #[serde(default = "sixteen")]
+    pub rank: usize,
+    /// Training items (200 by default).
+    #[serde(default = "two_hundred")]
+    pub train_items: usize,
+    /// Epochs (4 by default).
+    #[serde(default = "four")]
+    pub epochs: usize,
+    /// Pool size it is trained at (sender pools).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_pool: Option<usize>,
+}
+
+fn sixteen() -> usize {
+    16
+}
+fn two_hundred() -> usize {
+    200
+}
+fn four() -> usize {
+    4
+}
+
+/// A per-item gate an arm must pass: its continuation and first-step logits
+/// equal an anchor's bit for bit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Expect {
+    /// Equal to the floor (the no-op control).
+    Floor,
+    /// Equal to the native reference (the identity arm).
+    Native,
+}
+
+/// One arm: a base pass and the injections into it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Arm {
+    /// Name in records (`floor`, `native`, `identity`, `noop`, ...). Grid
+    /// points are appended as `name@key=value`.
+    pub name: String,
+    /// The base pass.
+    #[serde(default)]
+    pub base: Base,
+    /// The injections, applied in order (residual first, then cache edits,
+    /// then appended segments).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inject: Vec<Injection>,
+    /// A sender other than the receiver's own weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<Holder>,
+    /// A trained bridge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<Bridge>,
+    /// Arms (or arm families) whose accuracy is this arm's control: the
+    /// summary reports the lift over the strongest.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub controls: Vec<String>,
+    /// A per-item bit-exact gate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expect: Option<Expect>,
+}
+
+impl Arm {
+    /// The floor: the receiver on the masked passage.
+    pub fn floor() -> Self {
+        Self::plain("floor", Base::Masked)
+    }
+
+    /// The native reference: the receiver on the full passage.
+    pub fn native() -> Self {
+        Self::plain("native", Base::Full)
+    }
+
+    fn plain(name: &str, base: Base) -> Self {
+        Self {
+            name: name.into(),
+            base,
+            inject: Vec::new(),
+            holder: None,
+            bridge: None,
+            controls: Vec::new(),
+            expect: None,
+        }
+    }
+
+    /// Whether the arm is a bare base pass (floor or native).
+    pub fn is_anchor(&self) -> bool {
+        self.inject.is_empty() && self.holder.is_none() && self.bridge.is_none()
+    }
+
+    /// Whether any injection uses the residual carrier.
+    pub fn touches_residual(&self) -> bool {
+        self.inject.iter().any(|i| i.carrier == Carrier::H)
+    }
+}

@@ -1,0 +1,598 @@
+//! Sweep configs: a TOML file with a `[run]` table, a `[data]` table and a
+//! list of `[[arms]]`, each optionally with a `grid` that expands it into one
+//! arm per grid point. Parsing checks every field; validation against the
+//! model checks that every arm can apply, before any work is done.
+
+use crate::arm::{Arm, Base, Expect, Source};
+use crate::error::{DriverError, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use tolerable_carrier::{Carrier, Mechanism, Positions};
+use tolerable_runtime::ModelConfig;
+
+/// The `[run]` table: model, decoding, prompt and seed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSection {
+    /// Run name: the default output folder is `results/<name>`.
+    pub name: String,
+    /// The receiver: a catalog id, `hf:org/repo`, or a path.
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// `f32` (experiments) or `quantized` (inference speed only).
+    #[serde(default = "default_precision")]
+    pub precision: String,
+    /// Seed of sampling, pairing and perturbations.
+    #[serde(default)]
+    pub seed: u64,
+    /// Greedy tokens per arm and item.
+    #[serde(default = "default_new_tokens")]
+    pub new_tokens: usize,
+    /// Prompt template: `raw` (default) or `chat`.
+    #[serde(default = "default_template")]
+    pub template: String,
+    /// Longest prompt kept, in tokens.
+    #[serde(default = "default_max_prompt")]
+    pub max_prompt_tokens: usize,
+    /// Items per cell: the unit written atomically and resumed.
+    #[serde(default = "default_cell_items")]
+    pub cell_items: usize,
+}
+
+fn default_model() -> String {
+    "qwen2.5-coder-0.5b-instruct".into()
+}
+fn default_precision() -> String {
+    "f32".into()
+}
+fn default_new_tokens() -> usize {
+    8
+}
+fn default_template() -> String {
+    "raw".into()
+}
+fn default_max_prompt() -> usize {
+    512
+}
+fn default_cell_items() -> usize {
+    10
+}
+
+/// Where items come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataSource {
+    /// The built-in synthetic fact probe.
+    Synthetic,
+    /// SQuAD v1.1 dev.
+    SquadDev,
+    /// SQuAD v1.1 train.
+    SquadTrain,
+}
+
+impl DataSource {
+    /// The name used on the command line (`--data squad_dev=PATH`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DataSource::Synthetic => "synthetic",
+            DataSource::SquadDev => "squad_dev",
+            DataSource::SquadTrain => "squad_train",
+        }
+    }
+}
+
+/// The `[data]` table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// Which items.
+    pub source: DataSource,
+    /// A file or folder for SQuAD (else `$TOLERABLE_SQUAD_DIR`, or `hf`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// Items sampled.
+    pub n: usize,
+}
+
+/// An arm after grid expansion, with where it came from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlannedArm {
+    /// The arm.
+    pub arm: Arm,
+    /// The name it had before grid expansion.
+    pub family: String,
+    /// Its grid point: key to value (as TOML text).
+    pub point: BTreeMap<String, String>,
+    /// Index of its `[[arms]]` entry in the file (`None` for anchors added
+    /// by the runner).
+    pub index: Option<usize>,
+}
+
+/// A parsed and expanded sweep config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SweepConfig {
+    /// The `[run]` table.
+    pub run: RunSection,
+    /// The `[data]` table.
+    pub data: DataSection,
+    /// Every arm, expanded; the anchors `floor` and `native` come first
+    /// (added when the file does not name them).
+    pub arms: Vec<PlannedArm>,
+}
+
+fn cfg_err(msg: impl Into<String>) -> DriverError {
+    DriverError::Config(msg.into())
+}
+
+impl SweepConfig {
+    /// Reads and expands a config file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| cfg_err(format!("reading {}: {e}", path.display())))?;
+        Self::parse(&text).map_err(|e| match e {
+            DriverError::Config(m) => cfg_err(format!("{}: {m}", path.display())),
+            other => other,
+        })
+    }
+
+    /// Parses and expands config text.
+    pub fn parse(text: &str) -> Result<Self> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| cfg_err(e.to_string()))?;
+        for key in table.keys() {
+            if !matches!(key.as_str(), "run" | "data" | "arms") {
+                return Err(cfg_err(format!(
+                    "unknown top-level field `{key}` (expected `run`, `data`, `arms`)"
+                )));
+            }
+        }
+        let get = |k: &str| {
+            table
+                .get(k)
+                .cloned()
+                .ok_or_else(|| cfg_err(format!("missing `[{k}]` table")))
+        };
+        let run: RunSection = get("run")?
+            .try_into()
+            .map_err(|e: toml::de::Error| cfg_err(format!("[run]: {}", e.message())))?;
+        let data: DataSection = get("data")?
+            .try_into()
+            .map_err(|e: toml::de::Error| cfg_err(format!("[data]: {}", e.message())))?;
+        if run.cell_items == 0 {
+            return Err(cfg_err("[run]: `cell_items` must be at least 1"));
+        }
+        if run.new_tokens == 0 {
+            return Err(cfg_err("[run]: `new_tokens` must be at least 1"));
+        }
+        if !matches!(run.template.as_str(), "raw" | "chat") {
+            return Err(cfg_err(format!(
+                "[run]: `template` is `{}`; expected `raw` or `chat`",
+                run.template
+            )));
+        }
+        if !matches!(run.precision.as_str(), "f32" | "quantized") {
+            return Err(cfg_err(format!(
+                "[run]: `precision` is `{}`; expected `f32` or `quantized`",
+                run.precision
+            )));
+        }
+        if data.n == 0 {
+            return Err(cfg_err("[data]: `n` must be at least 1"));
+        }
+        let raw_arms = match table.get("arms") {
+            None => Vec::new(),
+            Some(toml::Value::Array(a)) => a.clone(),
+            Some(_) => return Err(cfg_err("`arms` must be a list of tables (`[[arms]]`)")),
+        };
+        let mut arms = Vec::new();
+        for (i, raw) in raw_arms.into_iter().enumerate() {
+            arms.extend(expand_arm(i, raw)?);
+        }
+        // The anchors are re-measured in every run.
+        let has = |arms: &[PlannedArm], base: Base| {
+            arms.iter().any(|a| {
+                a.arm.is_anchor() && a.arm.base == base && a.arm.name == base_anchor_name(base)
+            })
+        };
+        let mut anchors = Vec::new();
+        for base in [Base::Masked, Base::Full] {
+            if !has(&arms, base) {
+                let arm = if base == Base::Masked {
+                    Arm::floor()
+                } else {
+                    Arm::native()
+                };
+                if arms.iter().any(|a| a.arm.name == arm.name) {
+                    return Err(cfg_err(format!(
+                        "arm `{}` must be the bare {} pass (no injection), the anchor the runner measures",
+                        arm.name,
+                        base.name()
+                    )));
+                }
+                anchors.push(PlannedArm {
+                    family: arm.name.clone(),
+                    arm,
+                    point: BTreeMap::new(),
+                    index: None,
+                });
+            }
+        }
+        anchors.extend(arms);
+        let arms = anchors;
+        let mut seen = std::collections::HashSet::new();
+        for a in &arms {
+            if a.arm.name.is_empty() {
+                return Err(cfg_err("an arm has an empty `name`"));
+            }
+            if !seen.insert(a.arm.name.clone()) {
+                return Err(cfg_err(format!("two arms are named `{}`", a.arm.name)));
+            }
+        }
+        let cfg = SweepConfig { run, data, arms };
+        for a in &cfg.arms {
+            cfg.controls_of(a)?;
+        }
+        Ok(cfg)
+    }
+
+    /// The arms named as `arm`'s controls: an arm of that name, or the
+    /// members of that family at the same grid point.
+    pub fn controls_of(&self, arm: &PlannedArm) -> Result<Vec<usize>> {
+        let mut out = Vec::new();
+        for c in &arm.arm.controls {
+            if let Some(i) = self.arms.iter().position(|a| &a.arm.name == c) {
+                out.push(i);
+                continue;
+            }
+            let fam: Vec<usize> = (0..self.arms.len())
+                .filter(|&i| &self.arms[i].family == c)
+                .collect();
+            if fam.is_empty() {
+                return Err(cfg_err(format!(
+                    "arm `{}`: control `{c}` names no arm or arm family",
+                    arm.arm.name
+                )));
+            }
+            let matching: Vec<usize> = fam
+                .iter()
+                .copied()
+                .filter(|&i| {
+                    self.arms[i]
+                        .point
+                        .iter()
+                        .all(|(k, v)| arm.point.get(k).is_none_or(|w| w == v))
+                })
+                .collect();
+            match matching.as_slice() {
+                [one] => out.push(*one),
+                _ => {
+                    return Err(cfg_err(format!(
+                        "arm `{}`: control family `{c}` has {} arms at its grid point {:?}; name one arm",
+                        arm.arm.name,
+                        matching.len(),
+                        arm.point
+                    )))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Index of the anchor arm of `base` (floor or native).
+    pub fn anchor(&self, base: Base) -> usize {
+        self.arms
+            .iter()
+            .position(|a| {
+                a.arm.is_anchor() && a.arm.base == base && a.arm.name == base_anchor_name(base)
+            })
+            .expect("anchors are added at parse time")
+    }
+
+    /// A hash of everything that determines the records (not the data
+    /// path, which differs between machines): cells of runs with equal
+    /// hashes are interchangeable.
+    pub fn hash(&self) -> String {
+        let mut data = self.data.clone();
+        data.path = None;
+        let canon = serde_json::json!({ "run": self.run, "data": data, "arms": self.arms });
+        let mut h = Sha256::new();
+        h.update(canon.to_string().as_bytes());
+        h.finalize()
+            .iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Checks that every arm can apply to a receiver of config `model`
+    /// (`holder_config` reads a named sender's config), naming the field at
+    /// fault. Runs before any work.
+    pub fn validate(
+        &self,
+        model: &ModelConfig,
+        receiver_id: &str,
+        holder_config: &dyn Fn(&str) -> Result<ModelConfig>,
+    ) -> Result<()> {
+        for pa in &self.arms {
+            validate_arm(pa, model, receiver_id, holder_config)?;
+        }
+        Ok(())
+    }
+}
+
+fn base_anchor_name(base: Base) -> &'static str {
+    match base {
+        Base::Masked => "floor",
+        Base::Full => "native",
+    }
+}
+
+/// Expands one `[[arms]]` entry over its grid.
+fn expand_arm(i: usize, raw: toml::Value) -> Result<Vec<PlannedArm>> {
+    let mut table = match raw {
+        toml::Value::Table(t) => t,
+        _ => return Err(cfg_err(format!("arms[{i}] is not a table"))),
+    };
+    let name = table
+        .get("name")
+        .and_then(|v| v.as_str())
+        .map(String::from)
+        .ok_or_else(|| cfg_err(format!("arms[{i}]: missing `name`")))?;
+    let at = |m: String| cfg_err(format!("arms[{i}] (`{name}`): {m}"));
+    // One injection may be written as a table; the grammar holds a list.
+    if let Some(t @ toml::Value::Table(_)) = table.get("inject").cloned() {
+        table.insert("inject".into(), toml::Value::Array(vec![t]));
+    }
+    let grid: Vec<(String, Vec<toml::Value>)> = match table.remove("grid") {
+        None => Vec::new(),
+        Some(toml::Value::Table(g)) => g
+            .into_iter()
+            .map(|(k, v)| match v {
+                toml::Value::Array(vals) if !vals.is_empty() => Ok((k, vals)),
+                _ => Err(at(format!("`grid.{k}` must be a non-empty list of values"))),
+            })
+            .collect::<Result<_>>()?,
+        Some(_) => return Err(at("`grid` must be a table of lists".into())),
+    };
+    if !grid.is_empty()
+        && table
+            .get("inject")
+            .and_then(|v| v.as_array())
+            .is_none_or(|a| a.is_empty())
+    {
+        return Err(at(
+            "`grid` varies injection fields, but the arm has no `inject`".into(),
+        ));
+    }
+    // Cartesian product of the grid values, first key slowest.
+    let mut points: Vec<Vec<(String, toml::Value)>> = vec![Vec::new()];
+    for (k, vals) in &grid {
+        let mut next = Vec::new();
+        for p in &points {
+            for v in vals {
+                let mut q = p.clone();
+                q.push((k.clone(), v.clone()));
+                next.push(q);
+            }
+        }
+        points = next;
+    }
+    let mut out = Vec::new();
+    for p in points {
+        let mut t = table.clone();
+        if let Some(toml::Value::Array(injs)) = t.get_mut("inject") {
+            for inj in injs.iter_mut() {
+                for (k, v) in &p {
+                    set_dotted(inj, k, v.clone()).map_err(|m| at(format!("`grid.{k}`: {m}")))?;
+                }
+            }
+        }
+        let point: BTreeMap<String, String> =
+            p.iter().map(|(k, v)| (k.clone(), value_text(v))).collect();
+        if !point.is_empty() {
+            let suffix: Vec<String> = point.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            t.insert(
+                "name".into(),
+                toml::Value::String(format!("{name}@{}", suffix.join(","))),
+            );
+        }
+        let arm: Arm = toml::Value::Table(t)
+            .try_into()
+            .map_err(|e: toml::de::Error| at(e.message().to_string()))?;
+        out.push(PlannedArm {
+            arm,
+            family: name.clone(),
+            point,
+            index: Some(i),
+        });
+    }
+    Ok(out)
+}
+
+fn value_text(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn set_dotted(
+    target: &mut toml::Value,
+    key: &str,
+    value: toml::Value,
+) -> std::result::Result<(), String> {
+    let mut cur = target;
+    let parts: Vec<&str> = key.split('.').collect();
+    for (n, part) in parts.iter().enumerate() {
+        let t = cur
+            .as_table_mut()
+            .ok_or_else(|| format!("`{part}` is inside a value that is not a table"))?;
+        if n + 1 == parts.len() {
+            t.insert(part.to_string(), value);
+            return Ok(());
+        }
+        cur = t
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    }
+    Ok(())
+}
+
+fn validate_arm(
+    pa: &PlannedArm,
+    model: &ModelConfig,
+    receiver_id: &str,
+    holder_config: &dyn Fn(&str) -> Result<ModelConfig>,
+) -> Result<()> {
+    let arm = &pa.arm;
+    let prefix = match pa.index {
+        Some(i) => format!("arms[{i}]"),
+        None => arm.name.clone(),
+    };
+    let bad = |field: String, reason: String| DriverError::Inapplicable {
+        arm: arm.name.clone(),
+        field,
+        reason,
+    };
+    if arm.bridge.is_some() {
+        return Err(bad(
+            format!("{prefix}.bridge"),
+            "trained bridges (PROTOCOL §7) are part of the grammar but this runner does not train them yet".into(),
+        ));
+    }
+    if let Some(h) = &arm.holder {
+        if h.requantize.is_some() {
+            return Err(bad(
+                format!("{prefix}.holder.requantize"),
+                "re-quantized senders are part of the grammar but this runner does not build them yet".into(),
+            ));
+        }
+        if let Some(m) = h.model.as_deref().filter(|m| *m != receiver_id) {
+            let sc = holder_config(m)
+                .map_err(|e| bad(format!("{prefix}.holder.model"), e.to_string()))?;
+            let same = sc.n_layers == model.n_layers
+                && sc.n_kv_heads == model.n_kv_heads
+                && sc.head_dim == model.head_dim
+                && sc.d_model == model.d_model;
+            if !same && h.projection.is_none() {
+                return Err(bad(
+                    format!("{prefix}.holder.projection"),
+                    format!(
+                        "sender `{m}` has cache shape {} layers x {} kv heads x {} head_dim (width {}), the receiver {} x {} x {} (width {}); a sender of another shape needs an explicit projection",
+                        sc.n_layers, sc.n_kv_heads, sc.head_dim, sc.d_model,
+                        model.n_layers, model.n_kv_heads, model.head_dim, model.d_model
+                    ),
+                ));
+            }
+            return Err(bad(
+                format!("{prefix}.holder.model"),
+                "senders with other weights are part of the grammar but this runner only runs the receiver's own weights as holder yet".into(),
+            ));
+        }
+        if h.projection.is_some() {
+            return Err(bad(
+                format!("{prefix}.holder.projection"),
+                "a projection needs a sender of another model".into(),
+            ));
+        }
+    }
+    if arm.expect == Some(Expect::Native) && arm.base == Base::Masked && arm.inject.is_empty() {
+        return Err(bad(
+            format!("{prefix}.expect"),
+            "a bare masked pass cannot equal the native reference".into(),
+        ));
+    }
+    let mut appended = false;
+    for (j, inj) in arm.inject.iter().enumerate() {
+        let f = |name: &str| format!("{prefix}.inject[{j}].{name}");
+        inj.layers.resolve(model.n_layers, &f("layers"))?;
+        if let Some(heads) = &inj.heads {
+            if inj.carrier == Carrier::H {
+                return Err(bad(
+                    f("heads"),
+                    "the residual carrier h has no heads".into(),
+                ));
+            }
+            if let Some(&h) = heads.iter().find(|&&h| h >= model.n_kv_heads) {
+                return Err(bad(
+                    f("heads"),
+                    format!(
+                        "kv head {h} is out of range for {} kv heads",
+                        model.n_kv_heads
+                    ),
+                ));
+            }
+        }
+        match (inj.mechanism.takes_alpha(), inj.alpha) {
+            (true, None) => {
+                return Err(bad(
+                    f("alpha"),
+                    format!("`{}` needs a weight `alpha`", inj.mechanism.name()),
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(bad(
+                    f("alpha"),
+                    format!("`{}` takes no `alpha`", inj.mechanism.name()),
+                ))
+            }
+            (true, Some(a)) if !a.is_finite() => {
+                return Err(bad(f("alpha"), format!("alpha {a} is not finite")))
+            }
+            _ => {}
+        }
+        if inj.mechanism == Mechanism::Append {
+            if inj.carrier != Carrier::Kv {
+                return Err(bad(
+                    f("carrier"),
+                    "append adds attendable entries and needs both keys and values (`kv`)".into(),
+                ));
+            }
+            if !matches!(inj.positions, Positions::Passage | Positions::All) {
+                return Err(bad(
+                    f("positions"),
+                    "append takes a contiguous span: `passage` or `all`".into(),
+                ));
+            }
+            if inj.layers != tolerable_carrier::LayerSet::All {
+                return Err(bad(
+                    f("layers"),
+                    "appended segments are attendable in every layer; `layers` must be `all`"
+                        .into(),
+                ));
+            }
+            appended = true;
+        } else if appended {
+            return Err(bad(
+                f("mechanism"),
+                "slot edits must come before appended segments".into(),
+            ));
+        }
+        match &inj.source {
+            Source::Own | Source::Native | Source::Holder | Source::OtherItem => {}
+            other => {
+                return Err(bad(
+                    f("source"),
+                    format!(
+                        "source `{}` is part of the grammar but this runner does not build it yet",
+                        other.name()
+                    ),
+                ))
+            }
+        }
+        if let Some(p) = &inj.perturb {
+            p.validate(&f("perturb"))?;
+            if !p.is_implemented() {
+                return Err(bad(
+                    f("perturb"),
+                    format!(
+                        "perturbation `{}` needs a key bank, which this runner does not build yet",
+                        p.name()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}

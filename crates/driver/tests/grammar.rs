@@ -1,0 +1,289 @@
+//! The arm grammar: every shipped config parses and round-trips through
+//! TOML; every arm of PROTOCOL.md §5, 6, 7 and 10 can be written; bad
+//! configs fail before any work with errors that name the field.
+
+use tolerable_driver::config::SweepConfig;
+use tolerable_driver::{Arm, DriverError};
+use tolerable_runtime::tiny::TinySpec;
+use tolerable_runtime::ModelConfig;
+
+fn configs_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs")
+}
+
+fn round_trip(cfg: &SweepConfig) {
+    for pa in &cfg.arms {
+        let text = toml::to_string(&pa.arm).unwrap();
+        let back: Arm = toml::from_str(&text).unwrap_or_else(|e| panic!("{text}\n{e}"));
+        assert_eq!(back, pa.arm, "{text}");
+    }
+}
+
+#[test]
+fn shipped_configs_parse_expand_and_round_trip() {
+    let mut seen = 0;
+    for e in std::fs::read_dir(configs_dir()).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "toml") {
+            let cfg = SweepConfig::from_file(&p).unwrap();
+            assert_eq!(
+                cfg.arms[cfg.anchor(tolerable_driver::Base::Masked)]
+                    .arm
+                    .name,
+                "floor"
+            );
+            assert_eq!(
+                cfg.arms[cfg.anchor(tolerable_driver::Base::Full)].arm.name,
+                "native"
+            );
+            round_trip(&cfg);
+            seen += 1;
+        }
+    }
+    assert!(seen >= 3);
+    let two = SweepConfig::from_file(&configs_dir().join("first-2x2.toml")).unwrap();
+    let names: Vec<&str> = two.arms.iter().map(|a| a.arm.name.as_str()).collect();
+    for want in [
+        "floor",
+        "native",
+        "kv_augment",
+        "act_replace@layers=4",
+        "act_replace@layers=20",
+        "act_noop@layers=12",
+        "act_position@layers=8",
+        "act_mismatch@layers=16",
+    ] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    // Controls resolve to the same grid point.
+    let a = two
+        .arms
+        .iter()
+        .find(|a| a.arm.name == "act_replace@layers=12")
+        .unwrap();
+    let c: Vec<&str> = two
+        .controls_of(a)
+        .unwrap()
+        .iter()
+        .map(|&i| two.arms[i].arm.name.as_str())
+        .collect();
+    assert_eq!(
+        c,
+        [
+            "act_noop@layers=12",
+            "act_position@layers=12",
+            "act_mismatch@layers=12"
+        ]
+    );
+}
+
+/// Every arm of PROTOCOL.md sections 5, 6, 7 and 10, written in the grammar.
+const PROTOCOL_ARMS: &str = r#"
+[run]
+name = "protocol"
+[data]
+source = "synthetic"
+n = 4
+
+# §5 cosine-calibrated noise on keys, per item and layer
+[[arms]]
+name = "k_noise"
+inject = { carrier = "k", layers = "all", positions = "passage", source = "native", perturb = { kind = "cosine_noise", target_cosine = 0.95 } }
+grid = { "perturb.target_cosine" = [0.99, 0.95, 0.9] }
+# §5 genuine interpolation toward another item's cache at shared positions
+[[arms]]
+name = "k_interp_other"
+inject = { carrier = "k", source = "other_item", positions = "passage", mechanism = "interpolate", alpha = 0.5 }
+# §5 layer budget: a prefix of layers corrupted off- and on-manifold
+[[arms]]
+name = "budget_off"
+inject = { carrier = "k", layers = "prefix:8", positions = "passage", source = "native", perturb = { kind = "cosine_noise", target_cosine = 0.9 } }
+[[arms]]
+name = "budget_on"
+inject = { carrier = "k", layers = "prefix:8", positions = "passage", source = "native", perturb = { kind = "nearest_genuine", target_cosine = 0.9 } }
+# §5 key bank: k-th nearest neighbour, interpolated
+[[arms]]
+name = "bank"
+inject = { carrier = "k", positions = "passage", source = { bank = { size = 6000, neighbour = 3 } }, mechanism = "interpolate", alpha = 0.5 }
+# §5 codebooks
+[[arms]]
+name = "codebook"
+inject = { carrier = "k", positions = "passage", source = { codebook = { construction = "kmeans", snapping = "cosine", size = 256 } } }
+# §5 sparse damage, whole heads, whole layers, quantization
+[[arms]]
+name = "sparse_v"
+inject = { carrier = "v", positions = "passage", source = "native", perturb = { kind = "sparse_damage", fraction = 0.05 } }
+[[arms]]
+name = "head_knockout"
+inject = { carrier = "kv", layers = [3], heads = [1], positions = "passage", source = "native", perturb = { kind = "sparse_damage", fraction = 1.0 } }
+[[arms]]
+name = "int4"
+inject = { carrier = "kv", positions = "passage", source = "native", perturb = { kind = "quantize", bits = 4 } }
+# §6 the 2x2: KV augmentation and activation replacement with controls
+[[arms]]
+name = "kv_augment"
+inject = { carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }
+[[arms]]
+name = "act_replace"
+controls = ["act_noop"]
+inject = { carrier = "h", positions = "fact_region", source = "holder" }
+grid = { layers = [4, 8] }
+[[arms]]
+name = "act_noop"
+expect = "floor"
+inject = { carrier = "h", positions = "fact_region", source = "own" }
+grid = { layers = [4, 8] }
+# §6 activation augmentation over a pool of 3 holders
+[[arms]]
+name = "act_augment"
+inject = { carrier = "h", layers = 12, positions = "fact_region", source = { pool = { n = 3, router = "oracle" } }, mechanism = "add", alpha = 2.0 }
+# §6 carrier ordering: suffix layers
+[[arms]]
+name = "v_suffix"
+inject = { carrier = "v", layers = "suffix:12", positions = "fact_region", source = "holder" }
+# §6 cross-family holder through a projection; held-out senders
+[[arms]]
+name = "cross_family"
+holder = { model = "smollm2-135m-instruct", projection = { kind = "lstsq", fit_items = 40 } }
+inject = { carrier = "h", layers = 8, positions = "fact_region", source = "holder" }
+[[arms]]
+name = "held_out_q4"
+holder = { requantize = "Q4_0" }
+inject = { carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }
+# §7 bridges and pools
+[[arms]]
+name = "lora_q"
+bridge = { targets = "q", rank = 16, train_items = 200, epochs = 4 }
+inject = { carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }
+[[arms]]
+name = "pool_masked_control"
+bridge = { targets = "q", train_pool = 4 }
+inject = { carrier = "kv", positions = "passage", source = { pool = { n = 4, router = "uniform", members = "answer_masked" } }, mechanism = "append" }
+[[arms]]
+name = "router"
+bridge = { targets = "router" }
+inject = { carrier = "h", layers = 12, positions = "fact_region", source = { pool = { n = 4, router = "trained" } }, mechanism = "add", alpha = 1.0 }
+# §10 Mode D: cached downstream states plus a delta, layers l..L recomputed
+[[arms]]
+name = "mode_d"
+inject = { carrier = "h", layers = 12, positions = "downstream", source = { delta = "archetype_mean" }, mechanism = "add", alpha = 1.0 }
+"#;
+
+#[test]
+fn every_protocol_arm_can_be_written_and_round_trips() {
+    let cfg = SweepConfig::parse(PROTOCOL_ARMS).unwrap();
+    round_trip(&cfg);
+    assert!(cfg
+        .arms
+        .iter()
+        .any(|a| a.arm.name == "k_noise@perturb.target_cosine=0.9"));
+    assert!(cfg.arms.len() > 20);
+}
+
+#[test]
+fn malformed_configs_and_unknown_fields_name_the_problem() {
+    let base = "[run]\nname = \"x\"\n[data]\nsource = \"synthetic\"\nn = 2\n";
+    let err = |text: &str| SweepConfig::parse(text).unwrap_err().to_string();
+    let e = err(&format!(
+        "{base}[[arms]]\nname = \"a\"\ninject = {{ carrier = \"kv\", sorce = \"holder\" }}\n"
+    ));
+    assert!(e.contains("sorce") && e.contains("arms[0]"), "{e}");
+    let e = err(&format!("{base}[[arms]]\nname = \"a\"\nlayer = 3\n"));
+    assert!(e.contains("unknown field `layer`"), "{e}");
+    let e = err("[run]\nname = \"x\"\n[data\n");
+    assert!(e.contains("line"), "{e}");
+    let e = err("[run]\nname = \"x\"\nseeds = 3\n[data]\nsource = \"synthetic\"\nn = 2\n");
+    assert!(e.contains("seeds") && e.contains("[run]"), "{e}");
+    let e = err(&format!(
+        "{base}[[arms]]\nname = \"a\"\ninject = {{ carrier = \"q\", source = \"holder\" }}\n"
+    ));
+    assert!(e.contains("carrier") || e.contains("`q`"), "{e}");
+    let e = err(&format!("{base}[[arms]]\nname = \"a\"\ninject = {{ carrier = \"h\", source = \"holder\", layers = \"sufix:3\" }}\n"));
+    assert!(e.contains("sufix:3"), "{e}");
+    let e = err(&format!(
+        "{base}[[arms]]\nname = \"a\"\ncontrols = [\"nothing\"]\n"
+    ));
+    assert!(e.contains("nothing"), "{e}");
+    let e = err(&format!(
+        "{base}[[arms]]\nname = \"floor\"\nbase = \"full\"\n"
+    ));
+    assert!(e.contains("floor"), "{e}");
+    let e = err(&format!(
+        "{base}[[arms]]\nname = \"a\"\ngrid = {{ layers = [1] }}\n"
+    ));
+    assert!(e.contains("no `inject`"), "{e}");
+    let e = err("[run]\nname = \"x\"\n[data]\nsource = \"squad_dev\"\nn = 0\n");
+    assert!(e.contains("`n`"), "{e}");
+    let e = err("[run]\nname = \"x\"\n[data]\nsource = \"wiki\"\nn = 3\n");
+    assert!(e.contains("wiki"), "{e}");
+}
+
+fn receiver() -> ModelConfig {
+    let spec = TinySpec::default();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("r.gguf");
+    tolerable_runtime::tiny::write_gguf(&spec, &p).unwrap();
+    tolerable_driver::sweep::model_config_of(p.to_str().unwrap()).unwrap()
+}
+
+fn validate(arms: &str, holder: &dyn Fn(&str) -> tolerable_driver::Result<ModelConfig>) -> String {
+    let text = format!(
+        "[run]\nname = \"x\"\nmodel = \"receiver\"\n[data]\nsource = \"synthetic\"\nn = 2\n{arms}"
+    );
+    let cfg = SweepConfig::parse(&text).unwrap();
+    match cfg.validate(&receiver(), "receiver", holder) {
+        Err(e @ DriverError::Inapplicable { .. }) | Err(e @ DriverError::Carrier(_)) => {
+            e.to_string()
+        }
+        other => panic!("expected an inapplicable arm, got {other:?}"),
+    }
+}
+
+#[test]
+fn arms_that_cannot_apply_fail_validation_naming_the_field() {
+    let none = |_: &str| -> tolerable_driver::Result<ModelConfig> { unreachable!() };
+    // The tiny receiver has 3 layers and 2 kv heads.
+    let e = validate(
+        "[[arms]]\nname = \"a\"\ninject = { carrier = \"h\", layers = 5, source = \"holder\" }\n",
+        &none,
+    );
+    assert!(
+        e.contains("arms[0].inject[0].layers") && e.contains("layer 5"),
+        "{e}"
+    );
+    let e = validate(
+        "[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", heads = [2], source = \"holder\" }\n",
+        &none,
+    );
+    assert!(e.contains("arms[0].inject[0].heads"), "{e}");
+    let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"h\", source = \"holder\", mechanism = \"interpolate\" }\n", &none);
+    assert!(e.contains("alpha"), "{e}");
+    let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"h\", source = \"holder\", mechanism = \"append\" }\n", &none);
+    assert!(e.contains("inject[0].carrier"), "{e}");
+    let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = { bank = { neighbour = 2 } } }\n", &none);
+    assert!(e.contains("inject[0].source") && e.contains("bank"), "{e}");
+    let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = \"native\", perturb = { kind = \"cosine_noise\", target_cosine = 1.5 } }\n", &none);
+    assert!(e.contains("inject[0].perturb") && e.contains("1.5"), "{e}");
+    // A sender with another cache shape and no projection.
+    let other = |_: &str| -> tolerable_driver::Result<ModelConfig> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s.gguf");
+        tolerable_runtime::tiny::write_gguf(
+            &TinySpec {
+                n_layers: 4,
+                ..TinySpec::default()
+            },
+            &p,
+        )
+        .unwrap();
+        tolerable_driver::sweep::model_config_of(p.to_str().unwrap())
+    };
+    let e = validate(
+        "[[arms]]\nname = \"a\"\nholder = { model = \"sender\" }\ninject = { carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }\n",
+        &other,
+    );
+    assert!(
+        e.contains("arms[0].holder.projection") && e.contains("4 layers"),
+        "{e}"
+    );
+}

@@ -1,0 +1,108 @@
+//! `cargo xtask sweep` and `cargo xtask report`: the driver's sweeps and
+//! reports on the command line.
+
+use anyhow::{bail, Context, Result};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use tolerable_driver::sweep::{self, SweepOptions};
+use tolerable_runtime::catalog;
+
+/// Options of the sweep command.
+#[derive(clap::Args)]
+pub struct SweepArgs {
+    /// Sweep config (TOML).
+    #[arg(long, default_value = "configs/quickstart.toml")]
+    pub config: PathBuf,
+    /// Output folder (default results/<run name>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Run one shard, `i/n`: cells c with c % n == i.
+    #[arg(long, value_parser = parse_shard)]
+    pub shard: Option<(usize, usize)>,
+    /// Data path for a source, `squad_dev=PATH` (repeatable).
+    #[arg(long, value_parser = parse_data)]
+    pub data: Vec<(String, PathBuf)>,
+    /// Number of items (overrides [data] n).
+    #[arg(long)]
+    pub n: Option<usize>,
+    /// Only merge finished cells (e.g. of shards) into the summary.
+    #[arg(long)]
+    pub merge: bool,
+    /// Write the report (Markdown and plots) when the summary is written.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub report: bool,
+}
+
+fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
+    let (i, n) = s
+        .split_once('/')
+        .ok_or_else(|| format!("`{s}`: write the shard as i/n"))?;
+    let i: usize = i
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}`: `{i}` is not a number"))?;
+    let n: usize = n
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}`: `{n}` is not a number"))?;
+    if n == 0 || i >= n {
+        return Err(format!("`{s}`: need 0 <= i < n"));
+    }
+    Ok((i, n))
+}
+
+fn parse_data(s: &str) -> std::result::Result<(String, PathBuf), String> {
+    let (k, v) = s.split_once('=').ok_or_else(|| {
+        format!("`{s}`: write the data path as source=PATH, e.g. squad_dev=../shared/data/squad")
+    })?;
+    Ok((k.trim().to_string(), PathBuf::from(v)))
+}
+
+pub fn run(a: SweepArgs) -> Result<()> {
+    let opts = SweepOptions {
+        out: a.out.clone(),
+        shard: a.shard,
+        data: a.data.iter().cloned().collect::<BTreeMap<_, _>>(),
+        n: a.n,
+        merge_only: a.merge,
+        one_at_a_time: false,
+    };
+    if !a.config.exists() {
+        bail!("config {} does not exist", a.config.display());
+    }
+    // A catalog model that is not cached yet is fetched first.
+    let cfg = sweep::load_config(&a.config, &opts)?;
+    if !a.merge
+        && catalog::spec(&cfg.run.model).is_ok()
+        && catalog::cached(&cfg.run.model)?.is_none()
+    {
+        tracing::info!("{} is not cached; fetching it", cfg.run.model);
+        catalog::fetch(&cfg.run.model, &catalog::cache_root())
+            .with_context(|| format!("fetching {}", cfg.run.model))?;
+    }
+    let out = sweep::run(&a.config, &opts)?;
+    eprintln!(
+        "{}: {} cells, {} computed now, {} found finished{}",
+        out.dir.display(),
+        out.cells,
+        out.computed,
+        out.skipped,
+        if out.summary_written {
+            "; summary.parquet written"
+        } else {
+            ""
+        }
+    );
+    if out.summary_written && a.report {
+        let r = tolerable_driver::report::write(&out.dir)?;
+        eprintln!("report: {}", r.display());
+    }
+    Ok(())
+}
+
+pub fn report(dir: PathBuf) -> Result<()> {
+    let r = tolerable_driver::report::write(&dir)?;
+    println!("{}", std::fs::read_to_string(&r)?);
+    eprintln!("wrote {}", r.display());
+    Ok(())
+}
