@@ -66,7 +66,55 @@ fn decode_tps(m: &Model, ids: &[u32], batch: usize, steps: usize) -> Result<f64>
     Ok((batch * steps) as f64 / s.elapsed().as_secs_f64())
 }
 
-pub fn run(model: &str, json: bool, n: usize, reps: usize, skip_quantized: bool) -> Result<()> {
+/// What `cargo xtask bench` measures.
+pub struct BenchOptions {
+    /// Model id or path.
+    pub model: String,
+    /// One JSON object on the last line.
+    pub json: bool,
+    /// Prompt tokens of the prefill figures.
+    pub prompt_tokens: usize,
+    /// Timed repetitions.
+    pub reps: usize,
+    /// Skip the quantized figures.
+    pub skip_quantized: bool,
+    /// Only the driver's arm figures.
+    pub arms_only: bool,
+    /// Skip the driver's arm figures.
+    pub skip_arms: bool,
+    /// Items of the batched 20-arm grid.
+    pub arms_n: usize,
+    /// Items of its one-at-a-time baseline.
+    pub arms_baseline_n: usize,
+    /// SQuAD dev file or folder for the arm figures.
+    pub squad: Option<std::path::PathBuf>,
+}
+
+pub fn run(o: BenchOptions) -> Result<()> {
+    let (model, json, n, reps, skip_quantized) = (
+        o.model.as_str(),
+        o.json,
+        o.prompt_tokens,
+        o.reps,
+        o.skip_quantized,
+    );
+    if o.arms_only {
+        let ck = Checkpoint::load(model, Precision::F32, &candle_core::Device::Cpu)?;
+        let items = crate::bench_arms::items(&ck, o.arms_n, o.squad.as_deref())?;
+        let mut figures =
+            serde_json::json!({ "model": model, "threads": candle_core::utils::get_num_threads() });
+        figures["arms"] = crate::bench_arms::run(&ck, &items, o.arms_baseline_n, 8)?;
+        figures["peak_rss_mib"] = peak_rss_mib().into();
+        println!(
+            "{}",
+            if json {
+                figures.to_string()
+            } else {
+                serde_json::to_string_pretty(&figures)?
+            }
+        );
+        return Ok(());
+    }
     let dev = candle_core::Device::Cpu;
     let threads = candle_core::utils::get_num_threads();
     eprintln!("bench: {model}, {n}-token prompt, {reps} reps (median), {threads} threads");
@@ -116,6 +164,10 @@ pub fn run(model: &str, json: bool, n: usize, reps: usize, skip_quantized: bool)
     });
     if !skip_quantized {
         quantized(&ck, &ids, reps, &capture_all, &mut figures)?;
+    }
+    if !o.skip_arms {
+        let items = crate::bench_arms::items(&ck, o.arms_n, o.squad.as_deref())?;
+        figures["arms"] = crate::bench_arms::run(&ck, &items, o.arms_baseline_n, 8)?;
     }
     figures["peak_rss_mib"] = peak_rss_mib().into();
     if json {

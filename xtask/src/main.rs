@@ -10,6 +10,7 @@
 
 mod anchors;
 mod bench;
+mod bench_arms;
 mod prompts;
 mod sweep;
 
@@ -90,6 +91,21 @@ enum Cmd {
         /// Skip the quantized figures (slow on the 0.5B's Q5_0 blocks).
         #[arg(long)]
         skip_quantized: bool,
+        /// Only the driver's figures (KV-only arm cost, 20-arm grid batched vs one at a time).
+        #[arg(long)]
+        arms_only: bool,
+        /// Skip the driver's figures.
+        #[arg(long)]
+        skip_arms: bool,
+        /// Items of the batched 20-arm KV grid.
+        #[arg(long, default_value_t = 50)]
+        arms_n: usize,
+        /// Items of its one-at-a-time baseline (a rate, so fewer items suffice).
+        #[arg(long, default_value_t = 5)]
+        arms_baseline_n: usize,
+        /// SQuAD dev file or folder for the arm figures (default $TOLERABLE_SQUAD_DIR; synthetic if none).
+        #[arg(long)]
+        squad: Option<PathBuf>,
     },
 }
 
@@ -170,7 +186,23 @@ fn main() -> Result<()> {
             prompt_tokens,
             reps,
             skip_quantized,
-        } => bench::run(&model, json, prompt_tokens, reps, skip_quantized)?,
+            arms_only,
+            skip_arms,
+            arms_n,
+            arms_baseline_n,
+            squad,
+        } => bench::run(bench::BenchOptions {
+            model,
+            json,
+            prompt_tokens,
+            reps,
+            skip_quantized,
+            arms_only,
+            skip_arms,
+            arms_n,
+            arms_baseline_n,
+            squad,
+        })?,
     }
     Ok(())
 }

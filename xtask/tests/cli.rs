@@ -243,6 +243,9 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
     assert!(!killed.join("summary.parquet").exists());
     sweep(&killed);
     assert_eq!(done(&killed), n);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(killed.join("run.json")).unwrap()).unwrap();
+    assert_eq!(meta["invocations"].as_array().unwrap().len(), 2);
     for c in 0..n {
         let name = format!("items/cell-{c:05}.parquet");
         assert_eq!(

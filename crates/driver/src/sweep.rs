@@ -256,6 +256,22 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     }
     std::fs::create_dir_all(dir.join("items"))
         .map_err(io(format!("creating {}", dir.display())))?;
+    // Every invocation on this folder (first run, resumes, shards) is kept.
+    let mut invocations: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("run.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v["invocations"].as_array().cloned())
+        .unwrap_or_default();
+    invocations.push(serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "git_revision": git_revision(),
+        "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")),
+        "gates_passed": true,
+        "unix_time": std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    }));
     let meta = serde_json::json!({
         "name": cfg.run.name,
         "config_hash": hash,
@@ -286,6 +302,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         "gates": gates,
         "threads": candle_core::utils::get_num_threads(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "invocations": invocations,
     });
     write_json_atomic(&dir.join("run.json"), &meta)?;
 

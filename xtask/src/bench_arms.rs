@@ -1,0 +1,151 @@
+//! The driver's speed figures in `cargo xtask bench`: the cost of one
+//! cache-only arm as a fraction of a full passage prefill, and arm-items per
+//! second for a 20-arm KV grid batched per item, against the same arms run
+//! one at a time (each arm's question and decoding alone).
+
+use anyhow::Result;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::time::Instant;
+use tolerable_driver::config::SweepConfig;
+use tolerable_driver::{Base, Batching, Runner};
+use tolerable_probe::{SplitItem, SplitOptions};
+use tolerable_runtime::{Checkpoint, HookSpec, LogitsAt};
+
+/// 20 KV-only arms: genuine interpolation toward the native cache at the
+/// fact region, alpha 0.05 .. 1.0.
+fn grid_config() -> Result<SweepConfig> {
+    let alphas: Vec<String> = (1..=20)
+        .map(|i| format!("{:.2}", i as f64 * 0.05))
+        .collect();
+    let text = format!(
+        "[run]\nname = \"bench\"\n[data]\nsource = \"synthetic\"\nn = 1\n\
+         [[arms]]\nname = \"kv_interp\"\n\
+         inject = {{ carrier = \"kv\", positions = \"fact_region\", source = \"native\", mechanism = \"interpolate\", alpha = 0.5 }}\n\
+         grid = {{ alpha = [{}] }}\n",
+        alphas.join(", ")
+    );
+    Ok(SweepConfig::parse(&text)?)
+}
+
+fn bar(n: usize, what: &str) -> ProgressBar {
+    let b = ProgressBar::new(n as u64);
+    b.set_style(
+        ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} {per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    b.set_prefix(what.to_string());
+    b
+}
+
+/// Runs the figures on `items` (batched over all of them, one at a time over
+/// the first `baseline_n`) and returns them as JSON.
+pub fn run(
+    ck: &Checkpoint,
+    items: &[SplitItem],
+    baseline_n: usize,
+    new_tokens: usize,
+) -> Result<serde_json::Value> {
+    let cfg = grid_config()?;
+    // Only the 20 grid arms are timed; the anchors the config adds are dropped.
+    let arms: Vec<_> = cfg
+        .arms
+        .iter()
+        .filter(|a| !a.arm.is_anchor())
+        .cloned()
+        .collect();
+    let n_arms = arms.len();
+    let m = &ck.model;
+    let batched = Runner::new(m, &arms, 0, 0, new_tokens, 0)?;
+    let single = Runner::new(m, &arms, 0, 0, new_tokens, 0)?.with_batching(Batching::OneAtATime);
+    let _ = cfg.anchor(Base::Masked);
+
+    // Full passage prefill and the shared passes, per item.
+    let mut prefill_s = Vec::new();
+    let mut passes_s = Vec::new();
+    let b = bar(items.len(), "prefill and shared passes");
+    for it in items {
+        let ctx: Vec<u32> = [&it.prefix_ids[..], &it.full_passage].concat();
+        let t = Instant::now();
+        let mut c = m.new_cache(1);
+        m.forward(&m.tokens(&[ctx])?, &mut c, &HookSpec::new(), LogitsAt::None)?;
+        prefill_s.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        batched.passes(it)?;
+        passes_s.push(t.elapsed().as_secs_f64());
+        b.inc(1);
+    }
+    b.finish_and_clear();
+    let b = bar(items.len(), "20-arm grid, batched");
+    let t = Instant::now();
+    for (i, it) in items.iter().enumerate() {
+        batched.run_item(it, i, None)?;
+        b.inc(1);
+    }
+    let batched_s = t.elapsed().as_secs_f64();
+    b.finish_and_clear();
+    let base = &items[..baseline_n.min(items.len())];
+    let b = bar(base.len(), "20-arm grid, one at a time");
+    let t = Instant::now();
+    for (i, it) in base.iter().enumerate() {
+        single.run_item(it, i, None)?;
+        b.inc(1);
+    }
+    let single_s = t.elapsed().as_secs_f64();
+    b.finish_and_clear();
+
+    let sum = |v: &[f64]| v.iter().sum::<f64>();
+    let n = items.len() as f64;
+    let nb = base.len() as f64;
+    let batched_rate = n * n_arms as f64 / batched_s;
+    let single_rate = nb * n_arms as f64 / single_s;
+    let passes_per_item = sum(&passes_s) / n;
+    let prefill_per_item = sum(&prefill_s) / n;
+    // One arm's own work: the batched item time less its shared passes, per arm.
+    let arm_s = (batched_s / n - passes_per_item) / n_arms as f64;
+    // Independent runs: every arm also recomputes the item's passes.
+    let independent_rate = nb * n_arms as f64
+        / (single_s + nb * n_arms as f64 * passes_per_item - nb * passes_per_item);
+    let mean_tokens = items.iter().map(|i| i.context_len()).sum::<usize>() as f64 / n;
+    eprintln!(
+        "  20-arm KV grid: batched {batched_rate:.2} arm-items/s (n={}), one at a time {single_rate:.2} (n={}), speedup {:.2}x; independent runs {independent_rate:.2} ({:.2}x)",
+        items.len(),
+        base.len(),
+        batched_rate / single_rate,
+        batched_rate / independent_rate
+    );
+    eprintln!(
+        "  one KV-only arm: {:.3} s against a {mean_tokens:.0}-token passage prefill of {prefill_per_item:.3} s ({:.1}%)",
+        arm_s,
+        100.0 * arm_s / prefill_per_item
+    );
+    Ok(serde_json::json!({
+        "arms": n_arms,
+        "items_batched": items.len(),
+        "items_one_at_a_time": base.len(),
+        "mean_context_tokens": mean_tokens,
+        "new_tokens": new_tokens,
+        "passage_prefill_s": prefill_per_item,
+        "shared_passes_s": passes_per_item,
+        "kv_arm_s": arm_s,
+        "kv_arm_fraction_of_prefill": arm_s / prefill_per_item,
+        "arm_items_per_s_batched": batched_rate,
+        "arm_items_per_s_one_at_a_time": single_rate,
+        "arm_items_per_s_independent_runs": independent_rate,
+        "kv_grid_speedup_vs_one_at_a_time": batched_rate / single_rate,
+        "kv_grid_speedup_vs_independent_runs": batched_rate / independent_rate,
+    }))
+}
+
+/// SQuAD dev items for the figures (synthetic items where no SQuAD path is known).
+pub fn items(ck: &Checkpoint, n: usize, squad: Option<&std::path::Path>) -> Result<Vec<SplitItem>> {
+    let raw = match tolerable_probe::squad::resolve_path(squad, tolerable_probe::squad::Split::Dev)
+    {
+        Ok(p) => tolerable_probe::squad::load(&p)?,
+        Err(e) => {
+            eprintln!("  no SQuAD ({e}); using synthetic items");
+            tolerable_probe::synthetic::generate(n * 2, 0)
+        }
+    };
+    let s = tolerable_probe::sample::sample(&raw, &ck.tokenizer, &SplitOptions::default(), n, 0)?;
+    Ok(s.items)
+}
