@@ -36,22 +36,37 @@ pub fn fit_positions(src: &Tensor, own: &Tensor, axis: usize) -> Result<Tensor> 
     })
 }
 
-/// The receiver's cache `own` with the carrier's slots at `layers`,
-/// `positions` (cache entries; `None` = all) and `heads` (kv heads; `None` =
-/// all) filled from `source` by `mech` with weight `alpha`.
+/// The cache slots an edit touches.
+#[derive(Debug, Clone, Copy)]
+pub struct KvSites<'a> {
+    /// Keys, values or both.
+    pub carrier: Carrier,
+    /// Layers.
+    pub layers: &'a [usize],
+    /// Cache entries; `None` = all.
+    pub positions: Option<&'a [usize]>,
+    /// KV heads; `None` = all.
+    pub heads: Option<&'a [usize]>,
+}
+
+/// The receiver's cache `own` with the slots at `sites` filled from
+/// `source` by `mech` with weight `alpha`.
 ///
 /// `source` may be shorter than `own` (another item's passage): positions
 /// it lacks keep the receiver's entries, and `positions` must lie inside it.
 pub fn edit_kv(
     own: &KvCache,
     source: &KvCache,
-    carrier: Carrier,
-    layers: &[usize],
-    positions: Option<&[usize]>,
-    heads: Option<&[usize]>,
+    sites: &KvSites,
     mech: Mechanism,
     alpha: f64,
 ) -> Result<KvCache> {
+    let KvSites {
+        carrier,
+        layers,
+        positions,
+        heads,
+    } = *sites;
     if !carrier.is_kv() {
         return Err(CarrierError::BadSites {
             field: "carrier".into(),

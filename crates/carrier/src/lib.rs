@@ -17,6 +17,6 @@ pub mod perturb;
 pub mod sites;
 
 pub use error::{CarrierError, Result};
-pub use inject::{append_kv, edit_kv, edit_resid};
+pub use inject::{append_kv, edit_kv, edit_resid, KvSites};
 pub use perturb::Perturbation;
 pub use sites::{Carrier, Geometry, LayerSet, Mechanism, Positions};

@@ -16,5 +16,5 @@ pub mod sweep;
 pub use arm::{Arm, Base, Expect, Injection, Source};
 pub use config::{PlannedArm, SweepConfig};
 pub use error::{DriverError, Result};
-pub use runner::{ArmOutcome, Batching, Runner};
+pub use runner::{ArmOutcome, Batching, ItemTiming, Runner};
 pub use sweep::{SweepOptions, SweepOutcome};

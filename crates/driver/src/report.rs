@@ -22,6 +22,7 @@ struct Row {
     accuracy: f64,
     se: f64,
     ci: (f64, f64),
+    wilson: (f64, f64),
     cond: Option<f64>,
     cond_n: i64,
     span_copy: f64,
@@ -57,6 +58,8 @@ fn read_rows(run_dir: &Path) -> Result<Vec<Row>> {
     let se = col_f64(&df, "se")?;
     let lo = col_f64(&df, "ci_lo")?;
     let hi = col_f64(&df, "ci_hi")?;
+    let wlo = col_f64(&df, "wilson_lo")?;
+    let whi = col_f64(&df, "wilson_hi")?;
     let cond = col_f64(&df, "cond_accuracy")?;
     let cond_n = col_i64(&df, "cond_n")?;
     let copy = col_f64(&df, "span_copy_rate")?;
@@ -79,6 +82,7 @@ fn read_rows(run_dir: &Path) -> Result<Vec<Row>> {
             accuracy: acc[i].unwrap_or(f64::NAN),
             se: se[i].unwrap_or(f64::NAN),
             ci: (lo[i].unwrap_or(f64::NAN), hi[i].unwrap_or(f64::NAN)),
+            wilson: (wlo[i].unwrap_or(f64::NAN), whi[i].unwrap_or(f64::NAN)),
             cond: cond[i],
             cond_n: cond_n[i].unwrap_or(0),
             span_copy: copy[i].unwrap_or(f64::NAN),
@@ -170,9 +174,9 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     }
     let _ = writeln!(
         md,
-        "| arm | n | accuracy ± SE | 95% CI | conditional (n) | span-copy | fidelity cos | achieved cos | lift over strongest control [95% CI] | bit-exact |"
+        "| arm | n | accuracy ± SE | 95% CI | Wilson 95% | conditional (n) | span-copy | fidelity cos | achieved cos | lift over strongest control [95% CI] | bit-exact |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let lift = match (&r.lift, &r.strongest) {
             (Some((d, lo, hi)), Some(c)) => format!("{d:+.3} [{lo:+.3}, {hi:+.3}] vs `{c}`"),
@@ -181,13 +185,15 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
         let _ =
             writeln!(
             md,
-            "| `{}` | {} | {:.3} ± {:.3} | [{:.3}, {:.3}] | {} ({}) | {:.3} | {} | {} | {} | {} |",
+            "| `{}` | {} | {:.3} ± {:.3} | [{:.3}, {:.3}] | [{:.3}, {:.3}] | {} ({}) | {:.3} | {} | {} | {} | {} |",
             r.arm,
             r.n,
             r.accuracy,
             r.se,
             r.ci.0,
             r.ci.1,
+            r.wilson.0,
+            r.wilson.1,
             opt(r.cond, 3),
             r.cond_n,
             r.span_copy,
@@ -250,6 +256,9 @@ fn register_font() -> Result<()> {
     .map_err(DriverError::Records)
 }
 
+/// Arm families on one grid axis: family name to (axis value, summary row).
+type Families<'a> = BTreeMap<String, Vec<(f64, &'a Row)>>;
+
 /// One plot per numeric grid axis: every family on that axis as a series.
 fn plot_axes(
     run_dir: &Path,
@@ -257,7 +266,7 @@ fn plot_axes(
     floor: Option<&Row>,
     native: Option<&Row>,
 ) -> Result<Vec<PathBuf>> {
-    let mut axes: BTreeMap<String, BTreeMap<String, Vec<(f64, &Row)>>> = BTreeMap::new();
+    let mut axes: BTreeMap<String, Families> = BTreeMap::new();
     for r in rows {
         if r.point.len() != 1 {
             continue;
@@ -290,7 +299,7 @@ fn plot_axes(
 fn draw(
     path: &Path,
     axis: &str,
-    families: &BTreeMap<String, Vec<(f64, &Row)>>,
+    families: &Families,
     floor: Option<&Row>,
     native: Option<&Row>,
 ) -> std::result::Result<(), Box<dyn std::error::Error>> {

@@ -12,7 +12,7 @@ use candle_core::{Tensor, D};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 use tolerable_carrier::fidelity::mean_vector_cosine;
-use tolerable_carrier::{append_kv, edit_kv, Carrier, Geometry, Mechanism};
+use tolerable_carrier::{append_kv, edit_kv, Carrier, Geometry, KvSites, Mechanism};
 use tolerable_probe::SplitItem;
 use tolerable_runtime::gates::bit_equal;
 use tolerable_runtime::{
@@ -57,6 +57,17 @@ pub struct ArmOutcome {
     pub seconds: f64,
     /// Outcome of the arm's `expect` gate, where it has one.
     pub bit_exact: Option<bool>,
+}
+
+/// Where one item's time went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ItemTiming {
+    /// The shared masked and full passes (and a partner's pass).
+    pub passes_s: f64,
+    /// Preparing every arm's cache (edits, residual restarts).
+    pub prepare_s: f64,
+    /// The question and decoding of every arm (batched or not).
+    pub decode_s: f64,
 }
 
 /// How the runner batches arms.
@@ -183,7 +194,8 @@ impl<'a> Runner<'a> {
         let m = self.model;
         let full: Vec<u32> = [&item.prefix_ids[..], &item.full_passage].concat();
         let masked: Vec<u32> = [&item.prefix_ids[..], &item.masked_passage].concat();
-        let shared = item.common_prefix_len();
+        // At least one token remains for each remainder.
+        let shared = item.common_prefix_len().min(full.len() - 1);
         let union: BTreeSet<usize> = self.need_masked.union(&self.need_full).copied().collect();
         let mut prefix = m.new_cache(1);
         let mut prefix_resid = BTreeMap::new();
@@ -251,6 +263,18 @@ impl<'a> Runner<'a> {
         item_index: usize,
         partner: Option<&SplitItem>,
     ) -> Result<Vec<ArmOutcome>> {
+        Ok(self.run_item_timed(item, item_index, partner)?.0)
+    }
+
+    /// As [`Runner::run_item`], also saying where the time went.
+    pub fn run_item_timed(
+        &self,
+        item: &SplitItem,
+        item_index: usize,
+        partner: Option<&SplitItem>,
+    ) -> Result<(Vec<ArmOutcome>, ItemTiming)> {
+        let mut timing = ItemTiming::default();
+        let t_passes = Instant::now();
         let (masked, full) = self.passes(item)?;
         let partner_pass = match (self.need_partner, partner) {
             (true, Some(p)) => Some((self.partner_pass(p)?, Self::geometry(p))),
@@ -262,6 +286,7 @@ impl<'a> Runner<'a> {
             }
             _ => None,
         };
+        timing.passes_s = t_passes.elapsed().as_secs_f64();
         let g = Self::geometry(item);
         let mut prepared = Vec::with_capacity(self.arms.len());
         for (a, pa) in self.arms.iter().enumerate() {
@@ -277,6 +302,7 @@ impl<'a> Runner<'a> {
             )?;
             prepared.push((p, t0.elapsed().as_secs_f64()));
         }
+        timing.prepare_s = prepared.iter().map(|p| p.1).sum();
         // Group arms by cache layout; each group runs the question and decoding as one batch.
         let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         for (a, (p, _)) in prepared.iter().enumerate() {
@@ -293,7 +319,9 @@ impl<'a> Runner<'a> {
             let mut cache = KvCache::stack(&refs)?;
             let prompt = vec![item.suffix_ids.clone(); members.len()];
             let gen = self.model.generate(&prompt, &mut cache, &self.greedy)?;
-            let share = t0.elapsed().as_secs_f64() / members.len() as f64;
+            let spent = t0.elapsed().as_secs_f64();
+            timing.decode_s += spent;
+            let share = spent / members.len() as f64;
             for (row, &a) in members.iter().enumerate() {
                 results[a] = Some((
                     gen.tokens[row].clone(),
@@ -327,7 +355,7 @@ impl<'a> Runner<'a> {
                 out[a].bit_exact = Some(same);
             }
         }
-        Ok(out)
+        Ok((out, timing))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -546,10 +574,12 @@ impl<'a> Runner<'a> {
                 cache = edit_kv(
                     &cache,
                     &src,
-                    inj.carrier,
-                    &self.layers[a][j],
-                    Some(&sites),
-                    inj.heads.as_deref(),
+                    &KvSites {
+                        carrier: inj.carrier,
+                        layers: &self.layers[a][j],
+                        positions: Some(&sites),
+                        heads: inj.heads.as_deref(),
+                    },
                     inj.mechanism,
                     inj.alpha.unwrap_or(1.0),
                 )?;
