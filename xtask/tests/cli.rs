@@ -7,6 +7,21 @@ fn xtask() -> Command {
     Command::new(env!("CARGO_BIN_EXE_xtask"))
 }
 
+/// A temporary folder holding a tiny random model with room for synthetic prompts.
+fn tiny_model() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    write_gguf(
+        &TinySpec {
+            context_length: 1024,
+            ..TinySpec::default()
+        },
+        &model,
+    )
+    .unwrap();
+    (dir, model)
+}
+
 /// Runs `xtask generate --json` on a model and prompt file and parses its output.
 fn generate_json(
     model: &std::path::Path,
@@ -85,16 +100,7 @@ fn bad_model_ids_and_files_fail_with_their_names() {
 
 #[test]
 fn anchors_resume_from_a_partial_log_with_identical_rows() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    write_gguf(
-        &TinySpec {
-            context_length: 1024,
-            ..TinySpec::default()
-        },
-        &model,
-    )
-    .unwrap();
+    let (dir, model) = tiny_model();
     let out = dir.path().join("a.json");
     let run = || {
         let o = xtask()
@@ -190,16 +196,7 @@ fn parquet_rows(path: &std::path::Path) -> Vec<String> {
 
 #[test]
 fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    write_gguf(
-        &TinySpec {
-            context_length: 1024,
-            ..TinySpec::default()
-        },
-        &model,
-    )
-    .unwrap();
+    let (dir, model) = tiny_model();
     let n = 16;
     let cfg = sweep_config(dir.path(), &model, n);
     let sweep = |out: &std::path::Path| {
@@ -303,16 +300,7 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
 
 #[test]
 fn bad_sweep_configs_fail_before_any_work_naming_the_field() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    write_gguf(
-        &TinySpec {
-            context_length: 1024,
-            ..TinySpec::default()
-        },
-        &model,
-    )
-    .unwrap();
+    let (dir, model) = tiny_model();
     let out = dir.path().join("out");
     let run = |text: &str| {
         let p = dir.path().join("bad.toml");

@@ -1,14 +1,12 @@
-//! Items for a sweep: loading the configured source, seeded sampling into
-//! split items, and mis-source partners.
+//! Items for a sweep: loading the configured source and choosing mis-source
+//! partners (sampling is the probe's `sample::sample`).
 
 use crate::config::{DataSection, DataSource};
 use crate::error::{DriverError, Result};
 use std::path::Path;
 use tolerable_probe::controls::holds_answer;
 use tolerable_probe::rng::Rng;
-use tolerable_probe::sample::{sample, Sample};
-use tolerable_probe::{squad, synthetic, QaItem, SplitItem, SplitOptions};
-use tolerable_runtime::Tokenizer;
+use tolerable_probe::{squad, synthetic, QaItem, SplitItem};
 
 /// Loads the configured items; `path_override` replaces the config's path.
 /// Returns the items and a description of where they came from.
@@ -34,17 +32,6 @@ pub fn load_items(
             (items, path.display().to_string())
         }
     })
-}
-
-/// Samples `n` split items with `seed`.
-pub fn sample_items(
-    items: &[QaItem],
-    tokenizer: &Tokenizer,
-    opts: &SplitOptions,
-    n: usize,
-    seed: u64,
-) -> Result<Sample> {
-    Ok(sample(items, tokenizer, opts, n, seed)?)
 }
 
 /// For each item, a mis-source partner among the others: another article,

@@ -207,7 +207,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         ..SplitOptions::default()
     };
     let sample =
-        crate::data::sample_items(&items, &ck.tokenizer, &split, cfg.data.n, cfg.run.seed)?;
+        tolerable_probe::sample::sample(&items, &ck.tokenizer, &split, cfg.data.n, cfg.run.seed)?;
     tracing::info!(
         "{} items from {source} (seed {}, {} considered, dropped {:?})",
         sample.items.len(),
