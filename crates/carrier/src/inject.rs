@@ -7,7 +7,9 @@ use crate::sites::{Carrier, Mechanism};
 use candle_core::Tensor;
 use tolerable_runtime::{Edit, HookPoint, Intervention, KvCache};
 
-fn edit_for(mech: Mechanism, alpha: f64, source: Tensor) -> Result<Edit> {
+/// The hook edit that puts `source` into the slots by `mech` with weight
+/// `alpha` (append is not a slot edit and is refused).
+pub fn edit_for(mech: Mechanism, alpha: f64, source: Tensor) -> Result<Edit> {
     Ok(match mech {
         Mechanism::Replace => Edit::Replace(source),
         Mechanism::Interpolate => Edit::Interpolate { alpha, source },

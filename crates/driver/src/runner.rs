@@ -16,7 +16,7 @@ use tolerable_carrier::{append_kv, edit_kv, Carrier, Geometry, KvSites, Mechanis
 use tolerable_probe::SplitItem;
 use tolerable_runtime::gates::bit_equal;
 use tolerable_runtime::{
-    Edit, GreedyOptions, HookPoint, HookSpec, Intervention, KvCache, LogitsAt, Model,
+    GreedyOptions, HookPoint, HookSpec, Intervention, KvCache, LogitsAt, Model,
 };
 
 /// The receiver's pass over one item's context (template prefix and
@@ -464,12 +464,7 @@ impl<'a> Runner<'a> {
                 let inj = &arm.inject[*j];
                 let src = src.narrow(1, p0, t - p0)?;
                 let alpha = inj.alpha.unwrap_or(1.0);
-                let edit = match inj.mechanism {
-                    Mechanism::Replace => Edit::Replace(src),
-                    Mechanism::Interpolate => Edit::Interpolate { alpha, source: src },
-                    Mechanism::Add => Edit::Add((src * alpha)?),
-                    Mechanism::Append => unreachable!("validated: append is kv only"),
-                };
+                let edit = tolerable_carrier::inject::edit_for(inj.mechanism, alpha, src)?;
                 let local: Vec<usize> = sites.iter().map(|p| p - p0).collect();
                 spec = spec.intervene(
                     Intervention::new(HookPoint::ResidPre(*l), edit).at_positions(local),
