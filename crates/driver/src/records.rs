@@ -274,27 +274,35 @@ pub fn read_items(run_dir: &Path) -> Result<DataFrame> {
     Ok(df)
 }
 
-fn strs(df: &DataFrame, name: &str) -> Result<Vec<String>> {
+/// Column readers shared by the summary and the report (nulls kept).
+pub(crate) fn opt_strs(df: &DataFrame, name: &str) -> Result<Vec<Option<String>>> {
     Ok(df
         .column(name)?
         .str()?
         .iter()
-        .map(|v| v.unwrap_or_default().to_string())
+        .map(|v| v.map(String::from))
+        .collect())
+}
+pub(crate) fn opt_bools(df: &DataFrame, name: &str) -> Result<Vec<Option<bool>>> {
+    Ok(df.column(name)?.bool()?.iter().collect())
+}
+pub(crate) fn opt_f64s(df: &DataFrame, name: &str) -> Result<Vec<Option<f64>>> {
+    Ok(df.column(name)?.f64()?.iter().collect())
+}
+pub(crate) fn opt_i64s(df: &DataFrame, name: &str) -> Result<Vec<Option<i64>>> {
+    Ok(df.column(name)?.i64()?.iter().collect())
+}
+fn strs(df: &DataFrame, name: &str) -> Result<Vec<String>> {
+    Ok(opt_strs(df, name)?
+        .into_iter()
+        .map(Option::unwrap_or_default)
         .collect())
 }
 fn bools(df: &DataFrame, name: &str) -> Result<Vec<bool>> {
-    Ok(df
-        .column(name)?
-        .bool()?
-        .iter()
+    Ok(opt_bools(df, name)?
+        .into_iter()
         .map(|v| v.unwrap_or(false))
         .collect())
-}
-fn opt_bools(df: &DataFrame, name: &str) -> Result<Vec<Option<bool>>> {
-    Ok(df.column(name)?.bool()?.iter().collect())
-}
-fn opt_f64s(df: &DataFrame, name: &str) -> Result<Vec<Option<f64>>> {
-    Ok(df.column(name)?.f64()?.iter().collect())
 }
 
 /// One summary row: an arm's accuracy with its error, interval,

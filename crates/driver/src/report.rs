@@ -5,9 +5,8 @@
 //! native reference drawn as lines and 95% intervals as bars.
 
 use crate::error::{io, DriverError, Result};
-use crate::records::read_parquet;
+use crate::records::{opt_f64s as col_f64, opt_i64s as col_i64, opt_strs as col_str, read_parquet};
 use plotters::prelude::*;
-use polars::prelude::*;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -31,21 +30,6 @@ struct Row {
     lift: Option<(f64, f64, f64)>,
     strongest: Option<String>,
     bit_exact: Option<i64>,
-}
-
-fn col_str(df: &DataFrame, name: &str) -> Result<Vec<Option<String>>> {
-    Ok(df
-        .column(name)?
-        .str()?
-        .iter()
-        .map(|v| v.map(String::from))
-        .collect())
-}
-fn col_f64(df: &DataFrame, name: &str) -> Result<Vec<Option<f64>>> {
-    Ok(df.column(name)?.f64()?.iter().collect())
-}
-fn col_i64(df: &DataFrame, name: &str) -> Result<Vec<Option<i64>>> {
-    Ok(df.column(name)?.i64()?.iter().collect())
 }
 
 fn read_rows(run_dir: &Path) -> Result<Vec<Row>> {
