@@ -67,26 +67,37 @@ fn decode_tps(m: &Model, ids: &[u32], batch: usize, steps: usize) -> Result<f64>
 }
 
 /// What `cargo xtask bench` measures.
+#[derive(clap::Args)]
 pub struct BenchOptions {
     /// Model id or path.
+    #[arg(long, default_value = "qwen2.5-coder-0.5b-instruct")]
     pub model: String,
-    /// One JSON object on the last line.
+    /// Print the figures as one JSON object on the last line.
+    #[arg(long)]
     pub json: bool,
-    /// Prompt tokens of the prefill figures.
+    /// Prompt length in tokens for the prefill figures.
+    #[arg(long, default_value_t = 300)]
     pub prompt_tokens: usize,
-    /// Timed repetitions.
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 3)]
     pub reps: usize,
-    /// Skip the quantized figures.
+    /// Skip the quantized figures (slow on the 0.5B's Q5_0 blocks).
+    #[arg(long)]
     pub skip_quantized: bool,
-    /// Only the driver's arm figures.
+    /// Only the driver's figures (KV-only arm cost, 20-arm grid batched vs one at a time).
+    #[arg(long)]
     pub arms_only: bool,
-    /// Skip the driver's arm figures.
+    /// Skip the driver's figures.
+    #[arg(long)]
     pub skip_arms: bool,
-    /// Items of the batched 20-arm grid.
+    /// Items of the batched 20-arm KV grid.
+    #[arg(long, default_value_t = 50)]
     pub arms_n: usize,
-    /// Items of its one-at-a-time baseline.
+    /// Items of its one-at-a-time baseline (a rate, so fewer items suffice).
+    #[arg(long, default_value_t = 5)]
     pub arms_baseline_n: usize,
-    /// SQuAD dev file or folder for the arm figures.
+    /// SQuAD dev file or folder for the arm figures (default $TOLERABLE_SQUAD_DIR; synthetic if none).
+    #[arg(long)]
     pub squad: Option<std::path::PathBuf>,
 }
 

@@ -74,39 +74,9 @@ enum Cmd {
         /// The run folder (holding run.json and summary.parquet).
         dir: PathBuf,
     },
-    /// Speed figures, as ratios against candle-transformers in the same run.
-    Bench {
-        /// Model id or path.
-        #[arg(long, default_value = "qwen2.5-coder-0.5b-instruct")]
-        model: String,
-        /// Print the figures as one JSON object on the last line.
-        #[arg(long)]
-        json: bool,
-        /// Prompt length in tokens for the prefill figures.
-        #[arg(long, default_value_t = 300)]
-        prompt_tokens: usize,
-        /// Timed repetitions (the median is reported).
-        #[arg(long, default_value_t = 3)]
-        reps: usize,
-        /// Skip the quantized figures (slow on the 0.5B's Q5_0 blocks).
-        #[arg(long)]
-        skip_quantized: bool,
-        /// Only the driver's figures (KV-only arm cost, 20-arm grid batched vs one at a time).
-        #[arg(long)]
-        arms_only: bool,
-        /// Skip the driver's figures.
-        #[arg(long)]
-        skip_arms: bool,
-        /// Items of the batched 20-arm KV grid.
-        #[arg(long, default_value_t = 50)]
-        arms_n: usize,
-        /// Items of its one-at-a-time baseline (a rate, so fewer items suffice).
-        #[arg(long, default_value_t = 5)]
-        arms_baseline_n: usize,
-        /// SQuAD dev file or folder for the arm figures (default $TOLERABLE_SQUAD_DIR; synthetic if none).
-        #[arg(long)]
-        squad: Option<PathBuf>,
-    },
+    /// Speed figures, as ratios against candle-transformers in the same run,
+    /// and the driver's arm figures.
+    Bench(bench::BenchOptions),
 }
 
 fn main() -> Result<()> {
@@ -180,29 +150,7 @@ fn main() -> Result<()> {
         Cmd::Anchors(args) => anchors::run(args)?,
         Cmd::Sweep(args) => sweep::run(args)?,
         Cmd::Report { dir } => sweep::report(dir)?,
-        Cmd::Bench {
-            model,
-            json,
-            prompt_tokens,
-            reps,
-            skip_quantized,
-            arms_only,
-            skip_arms,
-            arms_n,
-            arms_baseline_n,
-            squad,
-        } => bench::run(bench::BenchOptions {
-            model,
-            json,
-            prompt_tokens,
-            reps,
-            skip_quantized,
-            arms_only,
-            skip_arms,
-            arms_n,
-            arms_baseline_n,
-            squad,
-        })?,
+        Cmd::Bench(opts) => bench::run(opts)?,
     }
     Ok(())
 }
