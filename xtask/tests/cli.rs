@@ -199,7 +199,8 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
     let (dir, model) = tiny_model();
     let n = 16;
     let cfg = sweep_config(dir.path(), &model, n);
-    let sweep = |out: &std::path::Path| {
+    // A sweep of `cfg` into `out` with extra flags, which must succeed.
+    let sweep_with = |out: &std::path::Path, extra: &[&str]| {
         let o = xtask()
             .args([
                 "sweep",
@@ -208,10 +209,12 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
                 "--out",
                 out.to_str().unwrap(),
             ])
+            .args(extra)
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     };
+    let sweep = |out: &std::path::Path| sweep_with(out, &[]);
     let whole = dir.path().join("whole");
     sweep(&whole);
     // The same sweep, killed with SIGKILL once its first cells are written.
@@ -266,32 +269,9 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
     // Shards merge: two shards into one folder, then --merge writes the summary.
     let sharded = dir.path().join("sharded");
     for s in ["0/2", "1/2"] {
-        let o = xtask()
-            .args([
-                "sweep",
-                "--config",
-                cfg.to_str().unwrap(),
-                "--out",
-                sharded.to_str().unwrap(),
-                "--shard",
-                s,
-            ])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        sweep_with(&sharded, &["--shard", s]);
     }
-    let o = xtask()
-        .args([
-            "sweep",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--out",
-            sharded.to_str().unwrap(),
-            "--merge",
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    sweep_with(&sharded, &["--merge"]);
     assert_eq!(
         parquet_rows(&whole.join("summary.parquet")),
         parquet_rows(&sharded.join("summary.parquet"))

@@ -215,6 +215,16 @@ mod tests {
         dot / (na * nb)
     }
 
+    /// `p` applied to `t` (at the sites of `mask`), flattened.
+    fn applied(p: &Perturbation, t: &Tensor, mask: Option<&Tensor>, seed: u64) -> Vec<f32> {
+        p.apply(t, mask, seed)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
     #[test]
     fn cosine_noise_reaches_its_target_and_is_seeded() {
         let x: Vec<f32> = (0..2048)
@@ -225,25 +235,13 @@ mod tests {
             let p = Perturbation::CosineNoise {
                 target_cosine: target,
             };
-            let y: Vec<f32> = p
-                .apply(&t, None, 7)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let y = applied(&p, &t, None, 7);
             assert!(
                 (cos(&x, &y) - target).abs() < 1e-4,
                 "{target}: {}",
                 cos(&x, &y)
             );
-            let y2: Vec<f32> = p
-                .apply(&t, None, 7)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let y2 = applied(&p, &t, None, 7);
             assert_eq!(y, y2);
         }
     }
@@ -259,13 +257,7 @@ mod tests {
             Perturbation::SparseDamage { fraction: 0.5 },
             Perturbation::Quantize { bits: 4 },
         ] {
-            let y: Vec<f32> = p
-                .apply(&t, Some(&mask), 1)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let y = applied(&p, &t, Some(&mask), 1);
             assert_eq!(&y[..16], &x[..16], "{p:?}");
             assert_eq!(&y[32..], &x[32..], "{p:?}");
             assert_ne!(&y[16..32], &x[16..32], "{p:?}");
