@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use tolerable_probe::sample::sample;
 use tolerable_probe::score::{conditional, score};
 use tolerable_probe::{squad, synthetic, SplitOptions, Template};
-use tolerable_runtime::{Checkpoint, GreedyOptions, Precision};
+use tolerable_runtime::{GreedyOptions, Precision};
 use tolerable_stats::{difference, Proportion};
 
 /// Options of the anchors command.
@@ -94,7 +94,7 @@ fn anchor(outcomes: &[bool], copies: &[bool]) -> Result<Anchor> {
 
 pub fn run(a: AnchorArgs) -> Result<()> {
     let dev = candle_core::Device::Cpu;
-    let ck = Checkpoint::load(&a.model, Precision::F32, &dev)?;
+    let ck = tolerable_fetch::load(&a.model, Precision::F32, &dev)?;
     let (items, source) = if a.synthetic {
         (
             synthetic::generate(a.n.max(1) * 2, a.seed),

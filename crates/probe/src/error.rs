@@ -40,6 +40,9 @@ pub enum ProbeError {
     /// The tokenizer failed.
     #[error(transparent)]
     Runtime(#[from] tolerable_runtime::RuntimeError),
+    /// A dataset file could not be fetched from the hub.
+    #[error(transparent)]
+    Fetch(#[from] tolerable_fetch::FetchError),
     /// A file operation failed.
     #[error(transparent)]
     Io(#[from] std::io::Error),

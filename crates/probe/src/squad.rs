@@ -51,8 +51,8 @@ pub fn hf_file(split: Split) -> &'static str {
 /// through the hub cache), else `$TOLERABLE_SQUAD_DIR`.
 pub fn resolve_path(explicit: Option<&Path>, split: Split) -> Result<PathBuf> {
     if explicit.is_some_and(|p| p == Path::new("hf")) {
-        let cache = tolerable_runtime::hub::hub_cache_dir();
-        return Ok(tolerable_runtime::hub::dataset_file(
+        let cache = tolerable_fetch::hub::hub_cache_dir();
+        return Ok(tolerable_fetch::hub::dataset_file(
             HF_REPO,
             hf_file(split),
             &cache,
@@ -304,7 +304,7 @@ mod tests {
         std::fs::create_dir_all(repo_dir.join("refs")).unwrap();
         std::fs::write(repo_dir.join("refs/main"), commit).unwrap();
         let p =
-            tolerable_runtime::hub::dataset_file(HF_REPO, hf_file(Split::Dev), dir.path()).unwrap();
+            tolerable_fetch::hub::dataset_file(HF_REPO, hf_file(Split::Dev), dir.path()).unwrap();
         assert_eq!(p, file);
         assert_eq!(load(&p).unwrap().len(), 3);
     }

@@ -1,10 +1,11 @@
 //! Split-context items on the real Qwen2.5 tokenizer and the real SQuAD dev subset.
 
 use std::path::Path;
+use tolerable_fetch::catalog;
 use tolerable_probe::sample::sample;
 use tolerable_probe::split::{Built, DropReason};
 use tolerable_probe::*;
-use tolerable_runtime::{catalog, gates::SQUAD_PROMPT, Tokenizer};
+use tolerable_runtime::{gates::SQUAD_PROMPT, Tokenizer};
 
 fn qwen_tokenizer() -> Option<Tokenizer> {
     let id = "qwen2.5-coder-0.5b-instruct";

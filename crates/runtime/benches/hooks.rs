@@ -6,8 +6,8 @@
 
 use candle_core::Device;
 use criterion::{criterion_group, criterion_main, Criterion};
-use tolerable_runtime::tiny::{write_gguf, TinySpec};
 use tolerable_runtime::{HookPoint, HookSpec, LogitsAt, Model, Precision};
+use tolerable_testkit::tiny::{write_gguf, TinySpec};
 
 fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();

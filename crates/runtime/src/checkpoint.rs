@@ -1,8 +1,8 @@
-//! A model and its tokenizer, loaded from a catalog id, a hub id or a path.
+//! A model and its tokenizer, loaded from a path: a GGUF file or a Hugging
+//! Face checkpoint directory. Resolving ids (catalog ids, `hf:org/repo`) and
+//! verifying files is `tolerable-fetch`'s job; this module only reads.
 
-use crate::catalog;
 use crate::error::{Result, RuntimeError};
-use crate::hub;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Precision;
@@ -17,7 +17,9 @@ pub struct Checkpoint {
     pub id: String,
     /// The file or directory read.
     pub path: PathBuf,
-    /// The catalog's sha256 of the file, where the catalog knows it.
+    /// The sha256 (hex) of the file read, as its loader verified or computed
+    /// it; `None` where the loader gave none (a safetensors directory, or a
+    /// caller that passed none to [`Checkpoint::load_gguf`]).
     pub sha256: Option<String>,
     /// The model.
     pub model: Model,
@@ -26,37 +28,25 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Loads `id`: a catalog id (its cached file; fetch it first with
-    /// `cargo xtask fetch-model <id>`), `hf:org/repo` (from the hub cache), a
-    /// `.gguf` path, or a checkpoint directory (config.json, tokenizer.json,
-    /// safetensors).
-    pub fn load(id: &str, precision: Precision, device: &Device) -> Result<Self> {
-        if let Some(repo) = id.strip_prefix("hf:") {
+    /// Loads `path` under the name `id`: a GGUF file (see
+    /// [`Checkpoint::load_gguf`], with no sha256) or a checkpoint directory
+    /// (see [`Checkpoint::load_dir`]; f32 only).
+    pub fn load_path(id: &str, path: &Path, precision: Precision, device: &Device) -> Result<Self> {
+        if path.is_dir() {
             if precision != Precision::F32 {
-                return Err(RuntimeError::Fetch {
-                    id: id.into(),
-                    reason: "safetensors checkpoints load in f32 only".into(),
+                return Err(RuntimeError::ModelFile {
+                    path: path.into(),
+                    reason: format!("a safetensors checkpoint loads in f32 only, not {precision}"),
                 });
             }
-            let ck = hub::from_cache(repo, &hub::hub_cache_dir())?;
-            return Self::load_dir(id, ck.dir(), device);
+            return Self::load_dir(id, path, device);
         }
-        let as_path = Path::new(id);
-        if as_path.exists() {
-            if as_path.is_dir() {
-                return Self::load_dir(id, as_path, device);
-            }
-            return Self::load_gguf(id, as_path, None, precision, device);
-        }
-        let spec = catalog::spec(id)?;
-        let path = catalog::cached(id)?.ok_or_else(|| RuntimeError::ModelFile {
-            path: catalog::model_path(&catalog::cache_root(), spec),
-            reason: format!("not fetched; run `cargo xtask fetch-model {id}`"),
-        })?;
-        Self::load_gguf(id, &path, Some(spec.sha256.to_string()), precision, device)
+        Self::load_gguf(id, path, None, precision, device)
     }
 
-    /// Loads a GGUF file with the tokenizer from its metadata.
+    /// Loads a GGUF file with the tokenizer from its metadata. `sha256` is
+    /// recorded as given: the caller vouches for it (tolerable-fetch passes
+    /// the hash it verified).
     pub fn load_gguf(
         id: &str,
         path: &Path,
@@ -80,7 +70,9 @@ impl Checkpoint {
         })
     }
 
-    fn load_dir(id: &str, dir: &Path, device: &Device) -> Result<Self> {
+    /// Loads a Hugging Face checkpoint directory (`config.json`,
+    /// `tokenizer.json`, safetensors shards) in f32, with no sha256.
+    pub fn load_dir(id: &str, dir: &Path, device: &Device) -> Result<Self> {
         let model = Model::from_safetensors_dir(dir, device)?;
         let tokenizer = Tokenizer::from_json_file(&dir.join("tokenizer.json"))?;
         Ok(Self {

