@@ -34,6 +34,12 @@ pub enum CarrierError {
     /// A perturbation's parameters are out of range.
     #[error("bad perturbation: {0}")]
     BadPerturbation(String),
+    /// A key bank, or a search in one, cannot be built as asked.
+    #[error("key bank: {0}")]
+    BadBank(String),
+    /// A codebook cannot be fitted or used as asked.
+    #[error("codebook: {0}")]
+    BadCodebook(String),
     /// From the runtime.
     #[error(transparent)]
     Runtime(#[from] tolerable_runtime::RuntimeError),

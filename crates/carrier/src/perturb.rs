@@ -3,6 +3,7 @@
 //! experiments, on-manifold moves toward genuine neighbours.
 
 use crate::error::{CarrierError, Result};
+use crate::rng::Gaussian;
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -14,12 +15,6 @@ pub enum Perturbation {
     /// carrier reaches `target_cosine` to the original at the sites.
     CosineNoise {
         /// Cosine of perturbed to original, in (0, 1].
-        target_cosine: f64,
-    },
-    /// A move toward the nearest genuine (bank) neighbour to a matched
-    /// cosine: the on-manifold counterpart of `CosineNoise`.
-    NearestGenuine {
-        /// Cosine of perturbed to original.
         target_cosine: f64,
     },
     /// Destroys (zeroes) a random fraction of the coordinates.
@@ -39,7 +34,6 @@ impl Perturbation {
     pub fn name(&self) -> &'static str {
         match self {
             Perturbation::CosineNoise { .. } => "cosine_noise",
-            Perturbation::NearestGenuine { .. } => "nearest_genuine",
             Perturbation::SparseDamage { .. } => "sparse_damage",
             Perturbation::Quantize { .. } => "quantize",
         }
@@ -48,8 +42,7 @@ impl Perturbation {
     /// The target cosine, where the perturbation has one.
     pub fn target_cosine(&self) -> Option<f64> {
         match self {
-            Perturbation::CosineNoise { target_cosine }
-            | Perturbation::NearestGenuine { target_cosine } => Some(*target_cosine),
+            Perturbation::CosineNoise { target_cosine } => Some(*target_cosine),
             _ => None,
         }
     }
@@ -58,8 +51,7 @@ impl Perturbation {
     pub fn validate(&self, field: &str) -> Result<()> {
         let bad = |m: String| Err(CarrierError::BadPerturbation(format!("{field}: {m}")));
         match self {
-            Perturbation::CosineNoise { target_cosine }
-            | Perturbation::NearestGenuine { target_cosine } => {
+            Perturbation::CosineNoise { target_cosine } => {
                 if !(*target_cosine > 0.0 && *target_cosine <= 1.0) {
                     return bad(format!("target_cosine {target_cosine} is not in (0, 1]"));
                 }
@@ -76,11 +68,6 @@ impl Perturbation {
             }
         }
         Ok(())
-    }
-
-    /// Whether this runner can apply it (the on-manifold move needs a key bank).
-    pub fn is_implemented(&self) -> bool {
-        !matches!(self, Perturbation::NearestGenuine { .. })
     }
 
     /// `x` perturbed, calibrated on the sites where `mask` (same shape, 1 =
@@ -134,11 +121,6 @@ impl Perturbation {
                     })
                     .collect()
             }
-            Perturbation::NearestGenuine { .. } => {
-                return Err(CarrierError::BadPerturbation(
-                    "nearest_genuine needs a key bank, which this runner does not build yet".into(),
-                ))
-            }
         };
         // Only the sites change; everything else stays bit-exact.
         let out: Vec<f32> = out
@@ -162,45 +144,6 @@ fn noise_scale(a: f64, b: f64, e: f64, c: f64) -> f64 {
     let qc = a * a * (1.0 - c * c);
     let disc = (qb * qb - 4.0 * qa * qc).max(0.0);
     (-qb - disc.sqrt()) / (2.0 * qa)
-}
-
-/// Seeded standard normal draws (SplitMix64 and Box–Muller).
-struct Gaussian {
-    state: u64,
-    spare: Option<f64>,
-}
-
-impl Gaussian {
-    fn new(seed: u64) -> Self {
-        Self {
-            state: seed ^ 0x5DEE_CE66_D1CE_4E5B,
-            spare: None,
-        }
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    fn next(&mut self) -> f64 {
-        if let Some(s) = self.spare.take() {
-            return s;
-        }
-        let u1 = self.uniform().max(f64::MIN_POSITIVE);
-        let u2 = self.uniform();
-        let r = (-2.0 * u1.ln()).sqrt();
-        let t = std::f64::consts::TAU * u2;
-        self.spare = Some(r * t.sin());
-        r * t.cos()
-    }
 }
 
 #[cfg(test)]
