@@ -306,59 +306,91 @@ impl Intervention {
 
     /// A u8 mask broadcast to `act`'s shape: 1 at the edited sites.
     fn site_mask(&self, act: &Tensor) -> Result<Tensor> {
-        let dims = act.dims();
-        let bad = |reason: String| RuntimeError::BadIntervention {
-            site: self.point.to_string(),
-            reason,
+        let head_axis = match &self.heads {
+            Some(_) => {
+                Some(
+                    self.point
+                        .head_axis()
+                        .ok_or_else(|| RuntimeError::BadIntervention {
+                            site: self.point.to_string(),
+                            reason: "this hook has no head axis; heads cannot be selected".into(),
+                        })?,
+                )
+            }
+            None => None,
         };
-        let mut shape = vec![1usize; dims.len()];
-        let mut selected: Vec<(usize, Vec<bool>)> = Vec::new();
-        if let Some(pos) = &self.positions {
-            let axis = self.point.position_axis();
-            let n = dims[axis];
-            let mut keep = vec![false; n];
-            for &p in pos {
-                if p >= n {
-                    return Err(bad(format!(
-                        "position {p} is out of range for {n} positions in this forward"
-                    )));
-                }
-                keep[p] = true;
-            }
-            shape[axis] = n;
-            selected.push((axis, keep));
-        }
-        if let Some(heads) = &self.heads {
-            let axis = self.point.head_axis().ok_or_else(|| {
-                bad("this hook has no head axis; heads cannot be selected".into())
-            })?;
-            let n = dims[axis];
-            let mut keep = vec![false; n];
-            for &h in heads {
-                if h >= n {
-                    return Err(bad(format!("head {h} is out of range for {n} heads")));
-                }
-                keep[h] = true;
-            }
-            shape[axis] = n;
-            selected.push((axis, keep));
-        }
-        // Outer product of the per-axis selections, laid out over `shape`.
-        let total: usize = shape.iter().product();
-        let mut data = vec![1u8; total];
-        let strides: Vec<usize> = (0..shape.len())
-            .map(|i| shape[i + 1..].iter().product())
-            .collect();
-        for (idx, cell) in data.iter_mut().enumerate() {
-            for (axis, keep) in &selected {
-                if !keep[(idx / strides[*axis]) % shape[*axis]] {
-                    *cell = 0;
-                }
-            }
-        }
-        let mask = Tensor::from_vec(data, shape, act.device())?;
-        Ok(mask.broadcast_as(dims)?.to_dtype(DType::U8)?)
+        let mask = site_mask(
+            act.dims(),
+            self.positions
+                .as_deref()
+                .map(|p| (self.point.position_axis(), p)),
+            self.heads.as_deref().zip(head_axis).map(|(h, a)| (a, h)),
+            act.device(),
+        )
+        .map_err(|e| match e {
+            RuntimeError::BadIntervention { reason, .. } => RuntimeError::BadIntervention {
+                site: self.point.to_string(),
+                reason: format!("{reason} in this forward"),
+            },
+            other => other,
+        })?;
+        Ok(mask.broadcast_as(act.dims())?.to_dtype(DType::U8)?)
     }
+}
+
+/// The sites of an activation of shape `dims` as a u8 mask: 1 at the
+/// `positions` along their axis and the `heads` along theirs (each `None` =
+/// every index), 0 elsewhere. The mask has size 1 on every other axis, so it
+/// broadcasts over them. One builder serves hook interventions and the
+/// carrier's site selections, so both mean the same sites.
+pub fn site_mask(
+    dims: &[usize],
+    positions: Option<(usize, &[usize])>,
+    heads: Option<(usize, &[usize])>,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    let mut shape = vec![1usize; dims.len()];
+    let mut selected: Vec<(usize, Vec<bool>)> = Vec::new();
+    for (what, sel) in [("position", positions), ("head", heads)] {
+        let Some((axis, idx)) = sel else { continue };
+        let n = *dims
+            .get(axis)
+            .ok_or_else(|| RuntimeError::BadIntervention {
+                site: "site mask".into(),
+                reason: format!("axis {axis} outside an activation of rank {}", dims.len()),
+            })?;
+        let mut keep = vec![false; n];
+        for &i in idx {
+            if i >= n {
+                let unit = if what == "position" {
+                    "positions"
+                } else {
+                    "heads"
+                };
+                return Err(RuntimeError::BadIntervention {
+                    site: "site mask".into(),
+                    reason: format!("{what} {i} is out of range for {n} {unit}"),
+                });
+            }
+            keep[i] = true;
+        }
+        shape[axis] = n;
+        selected.push((axis, keep));
+    }
+    // Outer product of the per-axis selections, laid out over `shape`.
+    let total: usize = shape.iter().product();
+    let mut data = vec![1u8; total];
+    let strides: Vec<usize> = (0..shape.len())
+        .map(|i| shape[i + 1..].iter().product())
+        .collect();
+    for (idx, cell) in data.iter_mut().enumerate() {
+        for (axis, keep) in &selected {
+            if !keep[(idx / strides[*axis]) % shape[*axis]] {
+                *cell = 0;
+            }
+        }
+    }
+    Ok(Tensor::from_vec(data, shape, device)?)
 }
 
 /// What to capture and where to intervene during one forward call.

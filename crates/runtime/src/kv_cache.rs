@@ -40,10 +40,25 @@ pub struct LayerKv {
     pub v: Tensor,
 }
 
+/// Entries of spare capacity a cache reserves when it first grows by
+/// appending to existing entries (a question after a prefill), so the
+/// decoding steps that follow write in place instead of copying the cache.
+const SLACK: usize = 64;
+
 /// The cache of every layer, with its segment layout and next position.
-#[derive(Debug, Clone)]
+///
+/// A cache that grows past its first forward call keeps its keys and values
+/// in buffers with spare capacity and writes new entries into them in place.
+/// Only a cache that owns its buffers alone does so: a clone, a narrow or a
+/// stack starts without spare capacity and copies on its first growth, so
+/// no operation on one cache changes another.
+#[derive(Debug)]
 pub struct KvCache {
     layers: Vec<Option<LayerKv>>,
+    /// Per layer, buffers `[batch, n_kv_heads, capacity, head_dim]` whose
+    /// first `len()` entries are the layer's keys and values, owned by this
+    /// cache alone.
+    spare: Vec<Option<(Tensor, Tensor)>>,
     batch: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -52,10 +67,28 @@ pub struct KvCache {
     device: Device,
 }
 
+impl Clone for KvCache {
+    /// A cache with the same entries; it shares their storage but none of
+    /// the spare capacity (the first growth of either copies).
+    fn clone(&self) -> Self {
+        Self {
+            layers: self.layers.clone(),
+            spare: vec![None; self.layers.len()],
+            batch: self.batch,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            next_position: self.next_position,
+            segments: self.segments.clone(),
+            device: self.device.clone(),
+        }
+    }
+}
+
 impl KvCache {
     /// An empty cache for `batch` sequences of a model.
     pub fn new(cfg: &ModelConfig, batch: usize, device: &Device) -> Self {
         Self {
+            spare: vec![None; cfg.n_layers],
             layers: vec![None; cfg.n_layers],
             batch,
             n_kv_heads: cfg.n_kv_heads,
@@ -147,20 +180,57 @@ impl KvCache {
         self.check_shape(&format!("blocks.{l}.attn.hook_rot_k"), &k, len)?;
         self.check_shape(&format!("blocks.{l}.attn.hook_v"), &v, len)?;
         self.layers[l] = Some(LayerKv { k, v });
+        self.spare[l] = None;
         Ok(())
     }
 
     /// Appends newly computed own-token keys and values at layer `l` (forward use).
+    ///
+    /// The first call keeps the tensors as they are; a later one writes into
+    /// this cache's spare capacity when it has enough, else copies the
+    /// entries into new buffers with [`SLACK`] spare entries (a call of more
+    /// than [`SLACK`] tokens joins them exactly, without spare capacity).
+    /// Layers with spare capacity are strided views of their buffers.
     pub(crate) fn push_own(&mut self, l: usize, k: &Tensor, v: &Tensor) -> Result<LayerKv> {
-        let kv = match &self.layers[l] {
-            None => LayerKv {
+        let Some(old) = &self.layers[l] else {
+            let kv = LayerKv {
                 k: k.clone(),
                 v: v.clone(),
-            },
-            Some(old) => LayerKv {
+            };
+            self.layers[l] = Some(kv.clone());
+            self.spare[l] = None;
+            return Ok(kv);
+        };
+        let have = old.k.dim(2)?;
+        let n = k.dim(2)?;
+        let fits = matches!(&self.spare[l], Some((kb, _)) if kb.dim(2)? >= have + n);
+        if !fits && n > SLACK {
+            // A long call (a passage read on top of a prefix) is not a
+            // decoding step: the entries are joined exactly, with no spare.
+            let kv = LayerKv {
                 k: Tensor::cat(&[&old.k, k], 2)?,
                 v: Tensor::cat(&[&old.v, v], 2)?,
-            },
+            };
+            self.layers[l] = Some(kv.clone());
+            self.spare[l] = None;
+            return Ok(kv);
+        }
+        if !fits {
+            let (b, h, _, d) = k.dims4()?;
+            let pad = Tensor::zeros((b, h, SLACK.max(n), d), k.dtype(), k.device())?;
+            let kb = Tensor::cat(&[&old.k, k, &pad], 2)?;
+            let vb = Tensor::cat(&[&old.v, v, &pad], 2)?;
+            self.spare[l] = Some((kb, vb));
+        } else if let Some((kb, vb)) = &self.spare[l] {
+            kb.slice_set(&k.contiguous()?, 2, have)?;
+            vb.slice_set(&v.contiguous()?, 2, have)?;
+        }
+        let (kb, vb) = self.spare[l]
+            .as_ref()
+            .expect("spare capacity was just made");
+        let kv = LayerKv {
+            k: kb.narrow(2, 0, have + n)?,
+            v: vb.narrow(2, 0, have + n)?,
         };
         self.layers[l] = Some(kv.clone());
         Ok(kv)
@@ -206,6 +276,7 @@ impl KvCache {
             return Ok(());
         }
         for l in 0..self.n_layers() {
+            self.spare[l] = None;
             let add = other.require_layer(l)?;
             self.layers[l] = Some(match &self.layers[l] {
                 None => add.clone(),
@@ -273,6 +344,7 @@ impl KvCache {
             }
         }
         Ok(KvCache {
+            spare: vec![None; layers.len()],
             layers,
             batch: self.batch,
             n_kv_heads: self.n_kv_heads,

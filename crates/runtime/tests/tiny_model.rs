@@ -4,8 +4,8 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use tolerable_runtime::gates;
-use tolerable_runtime::tiny::{write_gguf, write_hf_dir, TinySpec};
 use tolerable_runtime::*;
+use tolerable_testkit::tiny::{write_gguf, write_hf_dir, TinySpec};
 
 fn tiny(spec: &TinySpec, precision: Precision) -> (tempfile::TempDir, Checkpoint) {
     let dir = tempfile::tempdir().unwrap();
@@ -475,7 +475,8 @@ fn safetensors_checkpoint_equals_gguf() {
     let (dir, ck) = tiny(&spec, Precision::F32);
     let hf = dir.path().join("hf");
     write_hf_dir(&spec, &hf, &ck.tokenizer).unwrap();
-    let st = Checkpoint::load(hf.to_str().unwrap(), Precision::F32, &Device::Cpu).unwrap();
+    let st = Checkpoint::load_path("tiny-hf", &hf, Precision::F32, &Device::Cpu).unwrap();
+    assert_eq!(st.sha256, None);
     assert_eq!(st.model.config().n_layers, spec.n_layers);
     let ids = ck.tokenizer.encode(PROMPTS[2]).unwrap();
     assert_eq!(st.tokenizer.encode(PROMPTS[2]).unwrap(), ids);
@@ -503,40 +504,6 @@ fn safetensors_checkpoint_equals_gguf() {
         .logits
         .unwrap();
     assert!(max_diff(&a, &b) < 1e-5);
-}
-
-#[test]
-fn hub_cache_layout_resolves_offline() {
-    let spec = TinySpec::default();
-    let (dir, ck) = tiny(&spec, Precision::F32);
-    let hub = dir.path().join("hub");
-    let commit = "0123456789abcdef0123456789abcdef01234567";
-    let snap = hub
-        .join("models--tolerable--tiny")
-        .join("snapshots")
-        .join(commit);
-    write_hf_dir(&spec, &snap, &ck.tokenizer).unwrap();
-    std::fs::create_dir_all(hub.join("models--tolerable--tiny").join("refs")).unwrap();
-    std::fs::write(
-        hub.join("models--tolerable--tiny")
-            .join("refs")
-            .join("main"),
-        commit,
-    )
-    .unwrap();
-    let found = hub::fetch("tolerable/tiny", &hub).unwrap();
-    assert_eq!(found.dir(), snap.as_path());
-    assert_eq!(found.shards.len(), 1);
-    let m = Model::from_safetensors_dir(found.dir(), &Device::Cpu).unwrap();
-    assert_eq!(m.config().d_model, spec.d_model);
-    // A repo that is not in the cache is a clear error offline.
-    let e = hub::from_cache("tolerable/absent", &hub)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("hf:tolerable/absent") && e.contains("config.json"),
-        "{e}"
-    );
 }
 
 #[test]
@@ -591,11 +558,11 @@ fn bad_inputs_give_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("nope.gguf"), "{e}");
-    // Unknown model id.
-    let e = Checkpoint::load("qwen9-giant", Precision::F32, &Device::Cpu)
+    // A safetensors folder does not load quantized.
+    let e = Checkpoint::load_path("tiny", dir.path(), Precision::Quantized, &Device::Cpu)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("unknown model id `qwen9-giant`"), "{e}");
+    assert!(e.contains("f32 only"), "{e}");
     // Prompt longer than the context.
     let long = vec![5u32; spec.context_length + 1];
     let e = m
@@ -678,4 +645,71 @@ fn bad_inputs_give_clear_errors() {
         e.contains("blocks.0.attn.hook_rot_k") && e.contains("n_kv_heads"),
         "{e}"
     );
+}
+
+/// The keys and values of every layer, flattened, for bit comparisons.
+fn cache_bits(c: &KvCache) -> Vec<Vec<f32>> {
+    (0..c.n_layers())
+        .flat_map(|l| {
+            let kv = c.require_layer(l).unwrap();
+            [
+                kv.k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                kv.v.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            ]
+        })
+        .collect()
+}
+
+#[test]
+fn decoding_in_place_leaves_clones_and_narrows_untouched() {
+    let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
+    let m = &ck.model;
+    let none = HookSpec::new();
+    let step = |c: &mut KvCache, ids: &[u32]| -> Tensor {
+        m.forward(
+            &m.tokens(&[ids.to_vec()]).unwrap(),
+            c,
+            &none,
+            LogitsAt::Last,
+        )
+        .unwrap()
+        .logits
+        .unwrap()
+    };
+    // A prefill, then a question: the second call reserves spare capacity.
+    let mut a = m.new_cache(1);
+    step(&mut a, &[5, 6, 7, 8, 9, 10, 11]);
+    step(&mut a, &[12, 13, 14]);
+    let b = a.clone();
+    let n = a.narrow(0, a.len()).unwrap();
+    let (b0, n0) = (cache_bits(&b), cache_bits(&n));
+    // `a` grows in place; its clone and its narrow keep their entries.
+    let la: Vec<Tensor> = [15u32, 16, 17]
+        .iter()
+        .map(|&t| step(&mut a, &[t]))
+        .collect();
+    assert_eq!(cache_bits(&b), b0);
+    assert_eq!(cache_bits(&n), n0);
+    // The clone grows on its own, and `a` keeps what it wrote.
+    let a1 = cache_bits(&a);
+    let mut b = b;
+    step(&mut b, &[40]);
+    step(&mut b, &[41]);
+    assert_eq!(cache_bits(&a), a1);
+    // The same calls on a cache that was never cloned give the same bits.
+    let mut fresh = m.new_cache(1);
+    step(&mut fresh, &[5, 6, 7, 8, 9, 10, 11]);
+    step(&mut fresh, &[12, 13, 14]);
+    for (&t, want) in [15u32, 16, 17].iter().zip(&la) {
+        let got = step(&mut fresh, &[t]);
+        assert_eq!(
+            got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+    }
+    assert_eq!(cache_bits(&fresh), a1);
+    // Growing past the spare capacity copies and goes on.
+    let long: Vec<u32> = (20..100).collect();
+    step(&mut fresh, &long);
+    assert_eq!(fresh.len(), 7 + 3 + 3 + 80);
 }
