@@ -99,6 +99,36 @@ pub struct BenchOptions {
     /// SQuAD dev file or folder for the arm figures (default $TOLERABLE_SQUAD_DIR; synthetic if none).
     #[arg(long)]
     pub squad: Option<std::path::PathBuf>,
+    /// Skip the key bank's figures (bank build time, a bank arm against a KV-only arm).
+    #[arg(long)]
+    pub skip_bank: bool,
+    /// Keys per layer and kv head of the benchmarked bank.
+    #[arg(long, default_value_t = 6000)]
+    pub bank_size: usize,
+    /// Training passages the benchmarked bank reads.
+    #[arg(long, default_value_t = 64)]
+    pub bank_contexts: usize,
+    /// Items over which the bank and KV-only arms are timed.
+    #[arg(long, default_value_t = 10)]
+    pub bank_items: usize,
+}
+
+/// The driver's figures: the 20-arm grid and, unless skipped, the key bank's.
+fn driver_figures(ck: &Checkpoint, o: &BenchOptions) -> Result<serde_json::Value> {
+    let items = crate::bench_arms::items(ck, o.arms_n, o.squad.as_deref())?;
+    let mut arms = crate::bench_arms::run(ck, &items, o.arms_baseline_n, 8)?;
+    if !o.skip_bank {
+        let n = o.bank_items.min(items.len());
+        arms["bank"] = crate::bench_arms::bank(
+            ck,
+            &items[..n],
+            o.squad.as_deref(),
+            o.bank_size,
+            o.bank_contexts,
+            8,
+        )?;
+    }
+    Ok(arms)
 }
 
 pub fn run(o: BenchOptions) -> Result<()> {
@@ -110,11 +140,10 @@ pub fn run(o: BenchOptions) -> Result<()> {
         o.skip_quantized,
     );
     if o.arms_only {
-        let ck = Checkpoint::load(model, Precision::F32, &candle_core::Device::Cpu)?;
-        let items = crate::bench_arms::items(&ck, o.arms_n, o.squad.as_deref())?;
+        let ck = tolerable_fetch::load(model, Precision::F32, &candle_core::Device::Cpu)?;
         let mut figures =
             serde_json::json!({ "model": model, "threads": candle_core::utils::get_num_threads() });
-        figures["arms"] = crate::bench_arms::run(&ck, &items, o.arms_baseline_n, 8)?;
+        figures["arms"] = driver_figures(&ck, &o)?;
         figures["peak_rss_mib"] = peak_rss_mib().into();
         println!(
             "{}",
@@ -129,7 +158,7 @@ pub fn run(o: BenchOptions) -> Result<()> {
     let dev = candle_core::Device::Cpu;
     let threads = candle_core::utils::get_num_threads();
     eprintln!("bench: {model}, {n}-token prompt, {reps} reps (median), {threads} threads");
-    let ck = Checkpoint::load(model, Precision::F32, &dev)?;
+    let ck = tolerable_fetch::load(model, Precision::F32, &dev)?;
     let m = &ck.model;
     let ids = prompt_ids(&ck, n)?;
     let layers = m.config().n_layers;
@@ -177,8 +206,7 @@ pub fn run(o: BenchOptions) -> Result<()> {
         quantized(&ck, &ids, reps, &capture_all, &mut figures)?;
     }
     if !o.skip_arms {
-        let items = crate::bench_arms::items(&ck, o.arms_n, o.squad.as_deref())?;
-        figures["arms"] = crate::bench_arms::run(&ck, &items, o.arms_baseline_n, 8)?;
+        figures["arms"] = driver_figures(&ck, &o)?;
     }
     figures["peak_rss_mib"] = peak_rss_mib().into();
     if json {
@@ -198,7 +226,13 @@ fn quantized(
     figures: &mut serde_json::Value,
 ) -> Result<()> {
     let dev = candle_core::Device::Cpu;
-    let q = Checkpoint::load_gguf(&ck.id, &ck.path, None, Precision::Quantized, &dev)?;
+    let q = Checkpoint::load_gguf(
+        &ck.id,
+        &ck.path,
+        ck.sha256.clone(),
+        Precision::Quantized,
+        &dev,
+    )?;
     let mut reference_q = Reference::load(&ck.path, Precision::Quantized, &dev)?;
     let t = interleaved(
         reps,

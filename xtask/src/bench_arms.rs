@@ -5,8 +5,10 @@
 
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
+use std::collections::BTreeMap;
 use std::time::Instant;
 use tolerable_driver::config::SweepConfig;
+use tolerable_driver::plan::{compile, Plan};
 use tolerable_driver::{Batching, Runner};
 use tolerable_probe::{SplitItem, SplitOptions};
 use tolerable_runtime::{Checkpoint, HookSpec, LogitsAt};
@@ -25,6 +27,14 @@ fn grid_config() -> Result<SweepConfig> {
         alphas.join(", ")
     );
     Ok(SweepConfig::parse(&text)?)
+}
+
+/// The plan of `cfg` on `ck` without the anchors the config adds: only the
+/// named arms are timed.
+fn arms_only(cfg: &SweepConfig, ck: &Checkpoint) -> Result<Plan> {
+    let mut plan = compile(cfg, ck.model.config(), &ck.id, &|_| unreachable!())?;
+    plan.programs.retain(|p| !cfg.arms[p.index].arm.is_anchor());
+    Ok(plan)
 }
 
 fn bar(n: usize, what: &str) -> ProgressBar {
@@ -46,17 +56,12 @@ pub fn run(
     new_tokens: usize,
 ) -> Result<serde_json::Value> {
     let cfg = grid_config()?;
-    // Only the 20 grid arms are timed; the anchors the config adds are dropped.
-    let arms: Vec<_> = cfg
-        .arms
-        .iter()
-        .filter(|a| !a.arm.is_anchor())
-        .cloned()
-        .collect();
-    let n_arms = arms.len();
+    let plan = arms_only(&cfg, ck)?;
+    let n_arms = plan.programs.len();
     let m = &ck.model;
-    let batched = Runner::new(m, &arms, 0, 0, new_tokens, 0)?;
-    let single = Runner::new(m, &arms, 0, 0, new_tokens, 0)?.with_batching(Batching::OneAtATime);
+    let none = BTreeMap::new();
+    let batched = Runner::new(m, &plan, &none, new_tokens, 0);
+    let single = Runner::new(m, &plan, &none, new_tokens, 0).with_batching(Batching::OneAtATime);
 
     // Full passage prefill, on the first items.
     let mut prefill_s = Vec::new();
@@ -76,7 +81,7 @@ pub fn run(
     let mut own_s = Vec::new();
     let t = Instant::now();
     for (i, it) in items.iter().enumerate() {
-        let (_, timing) = batched.run_item_timed(it, i, None)?;
+        let (_, timing) = batched.run_item_timed(&it.pair(), i, &[])?;
         passes_s.push(timing.passes_s);
         own_s.push(timing.prepare_s + timing.decode_s);
         b.inc(1);
@@ -87,7 +92,7 @@ pub fn run(
     let b = bar(base.len(), "20-arm grid, one at a time");
     let t = Instant::now();
     for (i, it) in base.iter().enumerate() {
-        single.run_item(it, i, None)?;
+        single.run_item(&it.pair(), i, &[])?;
         b.inc(1);
     }
     let single_s = t.elapsed().as_secs_f64();
@@ -153,4 +158,95 @@ pub fn items(ck: &Checkpoint, n: usize, squad: Option<&std::path::Path>) -> Resu
     };
     let s = tolerable_probe::sample::sample(&raw, &ck.tokenizer, &SplitOptions::default(), n, 0)?;
     Ok(s.items)
+}
+
+/// The key bank's figures: the time to build a bank (training passages read
+/// and keys sampled; not from the cache) and the per-item cost of a bank arm
+/// (every passage key of C* replaced by its nearest genuine key) against
+/// the same substitution from the native cache itself (a KV-only arm), each
+/// run alone: its cache edit, its question and its decoding.
+pub fn bank(
+    ck: &Checkpoint,
+    items: &[SplitItem],
+    squad: Option<&std::path::Path>,
+    size: usize,
+    contexts: usize,
+    new_tokens: usize,
+) -> Result<serde_json::Value> {
+    use tolerable_driver::resources::{BuildCx, EvalSet, KeyBankSpec, ResourceKind, TrainCx};
+    let data_source = if squad.is_some() || std::env::var_os("TOLERABLE_SQUAD_DIR").is_some() {
+        "squad_train"
+    } else {
+        "synthetic"
+    };
+    let text = format!(
+        "[run]\nname = \"bench-bank\"\n[data]\nsource = \"synthetic\"\nn = 1\n\
+         [resources.bank]\nkind = \"key_bank\"\nsize = {size}\ncontexts = {contexts}\ndata = \"{data_source}\"\n\
+         [[arms]]\nname = \"kv_only\"\nbase = \"full\"\n\
+         inject = {{ carrier = \"k\", positions = \"passage\", source = \"native\" }}\n\
+         [[arms]]\nname = \"bank\"\nbase = \"full\"\n\
+         inject = {{ carrier = \"k\", positions = \"passage\", source = {{ bank = {{ bank = \"bank\", neighbour = 1 }} }} }}\n"
+    );
+    let cfg = SweepConfig::parse(&text)?;
+    let spec: KeyBankSpec = match &cfg.resources["bank"] {
+        tolerable_driver::resources::ResourceSpec::KeyBank(s) => s.clone(),
+        _ => unreachable!("declared as a key bank above"),
+    };
+    let mut data = BTreeMap::new();
+    if let Some(p) = squad {
+        data.insert("squad_train".to_string(), p.to_path_buf());
+    }
+    let eval = EvalSet {
+        ids: items.iter().map(|i| i.item.id.clone()).collect(),
+        passages: items.iter().map(|i| i.item.context.clone()).collect(),
+    };
+    let split = SplitOptions::default();
+    let deps = BTreeMap::new();
+    let cx = BuildCx {
+        train: TrainCx {
+            tokenizer: &ck.tokenizer,
+            split: &split,
+            data: &data,
+            eval: &eval,
+        },
+        model: &ck.model,
+        deps: &deps,
+    };
+    let t = Instant::now();
+    let train = spec.training_items(&cx.train)?;
+    let value = spec.build(&cx, &train)?;
+    let build_s = t.elapsed().as_secs_f64();
+    let resources = BTreeMap::from([("bank".to_string(), value)]);
+    eprintln!("  key bank of {size} keys from {contexts} passages built in {build_s:.1} s");
+    let plan = arms_only(&cfg, ck)?;
+    let mut per_arm = Vec::new();
+    for program in &plan.programs {
+        let mut one = plan.clone();
+        one.programs = vec![program.clone()];
+        let runner = Runner::new(&ck.model, &one, &resources, new_tokens, 0);
+        let b = bar(items.len(), &format!("{} arm alone", program.name));
+        let mut own = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            let (_, timing) = runner.run_item_timed(&it.pair(), i, &[])?;
+            own.push(timing.prepare_s + timing.decode_s);
+            b.inc(1);
+        }
+        b.finish_and_clear();
+        per_arm.push(own.iter().sum::<f64>() / own.len() as f64);
+    }
+    let (kv_s, bank_s) = (per_arm[0], per_arm[1]);
+    eprintln!(
+        "  per item, alone: KV-only arm {kv_s:.3} s, bank arm {bank_s:.3} s ({:.2}x)",
+        bank_s / kv_s
+    );
+    Ok(serde_json::json!({
+        "bank_size": size,
+        "bank_contexts": contexts,
+        "bank_data": data_source,
+        "bank_build_s": build_s,
+        "items": items.len(),
+        "kv_only_arm_s": kv_s,
+        "bank_arm_s": bank_s,
+        "bank_arm_vs_kv_only_arm": bank_s / kv_s,
+    }))
 }

@@ -1,11 +1,13 @@
 //! `cargo xtask`: the project's command line.
 //!
-//! - `fetch-model <id>`: download, assemble, verify and cache a model.
+//! - `fetch-model <id>`: download, assemble, verify and cache a model (with
+//!   its `.verified` sidecar).
 //! - `generate --model <id> --prompt-file F --tokens N [--json] [--chat]`.
 //! - `gates --model <id>`: run the parity, rebuild and identity gates.
 //! - `bench [--model <id>] [--json]`: speed figures as ratios against candle-transformers.
 //! - `sweep [--config F] [--out D] [--shard i/n] [--data squad_dev=P] [--n N]`: run a sweep.
 //! - `report <run-dir>`: Markdown tables and plots of a finished run.
+//! - `compare <run-a> <run-b>`: item rows of two runs compared value for value.
 #![allow(clippy::cloned_ref_to_slice_refs)] // `&[ids.clone()]` reads better as a batch of one
 
 mod anchors;
@@ -17,7 +19,8 @@ mod sweep;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
-use tolerable_runtime::{catalog, hub, Checkpoint, GreedyOptions, Precision};
+use tolerable_fetch::{catalog, hub};
+use tolerable_runtime::{GreedyOptions, Precision};
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "tolerable's tasks")]
@@ -77,6 +80,17 @@ enum Cmd {
     /// Speed figures, as ratios against candle-transformers in the same run,
     /// and the driver's arm figures.
     Bench(bench::BenchOptions),
+    /// Compare the item rows of two run folders (a rerun against a committed
+    /// run): every (arm, item) row's outcome columns, value for value.
+    Compare {
+        /// The first run folder.
+        a: PathBuf,
+        /// The second run folder.
+        b: PathBuf,
+        /// Also write the comparison as JSON here.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -107,7 +121,7 @@ fn main() -> Result<()> {
         } => {
             let text = std::fs::read_to_string(&prompt_file)
                 .with_context(|| format!("reading prompt file {}", prompt_file.display()))?;
-            let ck = Checkpoint::load(&model, precision, &dev)?;
+            let ck = tolerable_fetch::load(&model, precision, &dev)?;
             let prompt = if chat {
                 ck.tokenizer.apply_chat_template(&text)?
             } else {
@@ -140,7 +154,7 @@ fn main() -> Result<()> {
             }
         }
         Cmd::Gates { model, quantized } => {
-            let ck = Checkpoint::load(&model, Precision::F32, &dev)?;
+            let ck = tolerable_fetch::load(&model, Precision::F32, &dev)?;
             let report = prompts::run_gates(&ck, quantized)?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             if !report["passed"].as_bool().unwrap_or(false) {
@@ -151,6 +165,26 @@ fn main() -> Result<()> {
         Cmd::Sweep(args) => sweep::run(args)?,
         Cmd::Report { dir } => sweep::report(dir)?,
         Cmd::Bench(opts) => bench::run(opts)?,
+        Cmd::Compare { a, b, out } => {
+            let c = tolerable_driver::records::compare::compare_runs(&a, &b)?;
+            let text = serde_json::to_string_pretty(&serde_json::json!({
+                "a": a.display().to_string(),
+                "b": b.display().to_string(),
+                "comparison": c,
+            }))?;
+            println!("{text}");
+            if let Some(p) = out {
+                std::fs::write(&p, format!("{text}\n"))
+                    .with_context(|| format!("writing {}", p.display()))?;
+            }
+            if !c.identical {
+                anyhow::bail!(
+                    "the runs differ ({} unmatched rows; differing: {:?})",
+                    c.unmatched,
+                    c.differing
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use tolerable_driver::sweep::{self, SweepOptions};
-use tolerable_runtime::catalog;
+use tolerable_fetch::catalog;
 
 /// Options of the sweep command.
 #[derive(clap::Args)]
@@ -28,6 +28,15 @@ pub struct SweepArgs {
     /// Only merge finished cells (e.g. of shards) into the summary.
     #[arg(long)]
     pub merge: bool,
+    /// Print the plan (per-item passes, resources with their content hash
+    /// and cache status, each arm's program, an estimate of forward tokens
+    /// and time) and stop: no weights are loaded, nothing is written.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Where fitted resources (key banks, codebooks) are cached (default
+    /// `resources/` under the model cache, `$TOLERABLE_CACHE`).
+    #[arg(long)]
+    pub resources: Option<PathBuf>,
     /// Write the report (Markdown and plots) when the summary is written.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub report: bool,
@@ -66,6 +75,7 @@ pub fn run(a: SweepArgs) -> Result<()> {
         n: a.n,
         merge_only: a.merge,
         one_at_a_time: false,
+        resource_root: a.resources.clone(),
     };
     if !a.config.exists() {
         bail!("config {} does not exist", a.config.display());
@@ -79,6 +89,10 @@ pub fn run(a: SweepArgs) -> Result<()> {
         tracing::info!("{} is not cached; fetching it", cfg.run.model);
         catalog::fetch(&cfg.run.model, &catalog::cache_root())
             .with_context(|| format!("fetching {}", cfg.run.model))?;
+    }
+    if a.dry_run {
+        print!("{}", sweep::dry_run(&a.config, &opts)?);
+        return Ok(());
     }
     let out = sweep::run(&a.config, &opts)?;
     eprintln!(

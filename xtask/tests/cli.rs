@@ -1,7 +1,7 @@
 //! The command line on a tiny model the test writes.
 
 use std::process::Command;
-use tolerable_runtime::tiny::{write_gguf, TinySpec};
+use tolerable_testkit::tiny::{write_gguf, TinySpec};
 
 fn xtask() -> Command {
     Command::new(env!("CARGO_BIN_EXE_xtask"))
@@ -96,6 +96,24 @@ fn bad_model_ids_and_files_fail_with_their_names() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("broken.gguf"));
+    // A path that names nothing is told apart from an unknown id.
+    let absent = dir.path().join("absent.gguf");
+    let out = xtask()
+        .args([
+            "generate",
+            "--model",
+            absent.to_str().unwrap(),
+            "--prompt-file",
+            prompt.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("no such file: {}", absent.display())),
+        "{err}"
+    );
 }
 
 #[test]
@@ -313,4 +331,68 @@ fn bad_sweep_configs_fail_before_any_work_naming_the_field() {
         run("[run]\nname = \"bad\"\n[data]\nsource = \"synthetic\"\nn = 2\n[[arms]]\nname = 3\n");
     assert!(e.contains("name"), "{e}");
     assert!(!out.exists(), "a failed config wrote {}", out.display());
+}
+
+#[test]
+fn a_dry_run_prints_the_plan_and_writes_nothing_and_merge_refuses_an_unfinished_run() {
+    let (dir, model) = tiny_model();
+    let cfg = sweep_config(dir.path(), &model, 4);
+    let out = dir.path().join("dry");
+    let o = xtask()
+        .args([
+            "sweep",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--dry-run",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plan = String::from_utf8_lossy(&o.stdout);
+    for want in [
+        "per-item passes",
+        "residual captured at {0, 1, 2}",
+        "act_replace@layers=1: base masked",
+        "h at layers [1], fact_region <- holder -> replace",
+        "identity: base masked, expect Native",
+        "estimate:",
+    ] {
+        assert!(plan.contains(want), "{want} missing from:\n{plan}");
+    }
+    assert!(!out.exists(), "a dry run wrote {}", out.display());
+    // One shard of two, then --merge: the run is unfinished, and says which cells.
+    let run = dir.path().join("half");
+    let o = xtask()
+        .args([
+            "sweep",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            run.to_str().unwrap(),
+            "--shard",
+            "0/2",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = xtask()
+        .args([
+            "sweep",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            run.to_str().unwrap(),
+            "--merge",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("2 of 4 cells are missing") && e.contains("cells 1, 3"),
+        "{e}"
+    );
+    assert!(!run.join("summary.parquet").exists());
 }

@@ -9,6 +9,7 @@
 //! and an optional perturbation of the source.
 
 use serde::{Deserialize, Serialize};
+use tolerable_carrier::codebook::Snapping;
 use tolerable_carrier::{Carrier, LayerSet, Mechanism, Perturbation, Positions};
 
 /// The receiver's own pass an arm starts from.
@@ -73,59 +74,32 @@ impl Source {
     }
 }
 
-/// A key bank and which neighbour to take.
+/// A selection from a key bank (PROTOCOL §5): for each true key at the
+/// sites, a genuine key the receiver produced on training contexts — the
+/// k-th nearest by cosine, or the one whose cosine to the true key is
+/// nearest a target (the on-manifold arm of the layer budget).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BankSpec {
-    /// Genuine keys per layer and kv head (6,000 by default).
-    #[serde(default = "default_bank_size")]
-    pub size: usize,
-    /// Take the k-th nearest (cosine) neighbour of each true key (1 = nearest).
-    #[serde(default = "one")]
-    pub neighbour: usize,
+    /// The `[resources.<name>]` entry holding the bank.
+    pub bank: String,
+    /// Take the k-th nearest (cosine) genuine key (1 = nearest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub neighbour: Option<usize>,
+    /// Take the genuine key whose cosine to the true key is nearest this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cosine: Option<f64>,
 }
 
-fn default_bank_size() -> usize {
-    6000
-}
-fn one() -> usize {
-    1
-}
-
-/// How a codebook is built.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Construction {
-    /// k-means centroids.
-    Kmeans,
-    /// Principal components.
-    Pca,
-    /// A random subset of genuine vectors.
-    RandomSubset,
-}
-
-/// How a vector is snapped to a codebook.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Snapping {
-    /// Nearest entry by L2.
-    L2,
-    /// Nearest entry by cosine.
-    Cosine,
-    /// Projection onto the span of the entries.
-    Projection,
-}
-
-/// A codebook reconstruction of the carrier.
+/// A codebook reconstruction of the true keys (PROTOCOL §5): each key
+/// snapped to a codebook fitted on a key bank.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CodebookSpec {
-    /// Construction.
-    pub construction: Construction,
-    /// Snapping rule.
+    /// The `[resources.<name>]` entry holding the codebook.
+    pub codebook: String,
+    /// How a key is snapped to it.
     pub snapping: Snapping,
-    /// Entries (or components).
-    pub size: usize,
 }
 
 /// How a pool's holders are weighted.
@@ -188,6 +162,12 @@ pub struct Injection {
     /// Positions (default: the fact region).
     #[serde(default)]
     pub positions: Positions,
+    /// Where the source is read, when not at `positions` (the displaced
+    /// control reads the holder's fact region and writes it at fact-free
+    /// positions: right content, wrong place). Source sites are paired with
+    /// destination sites in order; extra ones are ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_positions: Option<Positions>,
     /// KV heads (KV carriers only; default: all).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub heads: Option<Vec<usize>>,

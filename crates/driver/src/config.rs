@@ -1,16 +1,16 @@
-//! Sweep configs: a TOML file with a `[run]` table, a `[data]` table and a
-//! list of `[[arms]]`, each optionally with a `grid` that expands it into one
-//! arm per grid point. Parsing checks every field; validation against the
-//! model checks that every arm can apply, before any work is done.
+//! Sweep configs: a TOML file with a `[run]` table, a `[data]` table,
+//! optional `[resources.<name>]` tables and a list of `[[arms]]`, each
+//! optionally with a `grid` that expands it into one arm per grid point.
+//! Parsing checks every field; whether an arm can apply to a model is the
+//! plan compiler's decision ([`crate::plan::compile`]), before any work.
 
-use crate::arm::{Arm, Base, Expect, Source};
+use crate::arm::{Arm, Base};
 use crate::error::{DriverError, Result};
+use crate::resources::ResourceSpec;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use tolerable_carrier::{Carrier, Mechanism, Positions};
-use tolerable_runtime::ModelConfig;
 
 /// The `[run]` table: model, decoding, prompt and seed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -103,8 +103,8 @@ pub struct PlannedArm {
     pub arm: Arm,
     /// The name it had before grid expansion.
     pub family: String,
-    /// Its grid point: key to value (as TOML text).
-    pub point: BTreeMap<String, String>,
+    /// Its grid point: key to value (typed: numbers stay numbers).
+    pub point: BTreeMap<String, serde_json::Value>,
     /// Index of its `[[arms]]` entry in the file (`None` for anchors added
     /// by the runner).
     pub index: Option<usize>,
@@ -117,6 +117,10 @@ pub struct SweepConfig {
     pub run: RunSection,
     /// The `[data]` table.
     pub data: DataSection,
+    /// Sweep-level resources by name (`[resources.<name>]`): key banks,
+    /// codebooks; fitted on training items and cached by content hash.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub resources: BTreeMap<String, ResourceSpec>,
     /// Every arm, expanded; the anchors `floor` and `native` come first
     /// (added when the file does not name them).
     pub arms: Vec<PlannedArm>,
@@ -141,9 +145,9 @@ impl SweepConfig {
     pub fn parse(text: &str) -> Result<Self> {
         let table: toml::Table = toml::from_str(text).map_err(|e| cfg_err(e.to_string()))?;
         for key in table.keys() {
-            if !matches!(key.as_str(), "run" | "data" | "arms") {
+            if !matches!(key.as_str(), "run" | "data" | "resources" | "arms") {
                 return Err(cfg_err(format!(
-                    "unknown top-level field `{key}` (expected `run`, `data`, `arms`)"
+                    "unknown top-level field `{key}` (expected `run`, `data`, `resources`, `arms`)"
                 )));
             }
         }
@@ -159,6 +163,25 @@ impl SweepConfig {
         let data: DataSection = get("data")?
             .try_into()
             .map_err(|e: toml::de::Error| cfg_err(format!("[data]: {}", e.message())))?;
+        let mut resources = BTreeMap::new();
+        match table.get("resources") {
+            None => {}
+            Some(toml::Value::Table(t)) => {
+                for (name, v) in t {
+                    let spec: ResourceSpec =
+                        v.clone().try_into().map_err(|e: toml::de::Error| {
+                            cfg_err(format!("[resources.{name}]: {}", e.message()))
+                        })?;
+                    resources.insert(name.clone(), spec);
+                }
+            }
+            Some(_) => {
+                return Err(cfg_err(
+                    "`resources` must be a table of `[resources.<name>]` tables",
+                ))
+            }
+        }
+        crate::resources::build_order(&resources)?;
         if run.cell_items == 0 {
             return Err(cfg_err("[run]: `cell_items` must be at least 1"));
         }
@@ -229,7 +252,12 @@ impl SweepConfig {
                 return Err(cfg_err(format!("two arms are named `{}`", a.arm.name)));
             }
         }
-        let cfg = SweepConfig { run, data, arms };
+        let cfg = SweepConfig {
+            run,
+            data,
+            resources,
+            arms,
+        };
         for a in &cfg.arms {
             cfg.controls_of(a)?;
         }
@@ -295,7 +323,12 @@ impl SweepConfig {
     pub fn hash(&self) -> String {
         let mut data = self.data.clone();
         data.path = None;
-        let canon = serde_json::json!({ "run": self.run, "data": data, "arms": self.arms });
+        let canon = serde_json::json!({
+            "run": self.run,
+            "data": data,
+            "resources": self.resources,
+            "arms": self.arms,
+        });
         let mut h = Sha256::new();
         h.update(canon.to_string().as_bytes());
         h.finalize()
@@ -303,21 +336,6 @@ impl SweepConfig {
             .take(8)
             .map(|b| format!("{b:02x}"))
             .collect()
-    }
-
-    /// Checks that every arm can apply to a receiver of config `model`
-    /// (`holder_config` reads a named sender's config), naming the field at
-    /// fault. Runs before any work.
-    pub fn validate(
-        &self,
-        model: &ModelConfig,
-        receiver_id: &str,
-        holder_config: &dyn Fn(&str) -> Result<ModelConfig>,
-    ) -> Result<()> {
-        for pa in &self.arms {
-            validate_arm(pa, model, receiver_id, holder_config)?;
-        }
-        Ok(())
     }
 }
 
@@ -388,10 +406,15 @@ fn expand_arm(i: usize, raw: toml::Value) -> Result<Vec<PlannedArm>> {
                 }
             }
         }
-        let point: BTreeMap<String, String> =
-            p.iter().map(|(k, v)| (k.clone(), value_text(v))).collect();
-        if !point.is_empty() {
-            let suffix: Vec<String> = point.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let point: BTreeMap<String, serde_json::Value> = p
+            .iter()
+            .map(|(k, v)| (k.clone(), serde_json::to_value(v).unwrap_or_default()))
+            .collect();
+        if !p.is_empty() {
+            let mut named: Vec<(&String, String)> =
+                p.iter().map(|(k, v)| (k, value_text(v))).collect();
+            named.sort();
+            let suffix: Vec<String> = named.iter().map(|(k, v)| format!("{k}={v}")).collect();
             t.insert(
                 "name".into(),
                 toml::Value::String(format!("{name}@{}", suffix.join(","))),
@@ -435,164 +458,6 @@ fn set_dotted(
         cur = t
             .entry(part.to_string())
             .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-    }
-    Ok(())
-}
-
-fn validate_arm(
-    pa: &PlannedArm,
-    model: &ModelConfig,
-    receiver_id: &str,
-    holder_config: &dyn Fn(&str) -> Result<ModelConfig>,
-) -> Result<()> {
-    let arm = &pa.arm;
-    let prefix = match pa.index {
-        Some(i) => format!("arms[{i}]"),
-        None => arm.name.clone(),
-    };
-    let bad = |field: String, reason: String| DriverError::Inapplicable {
-        arm: arm.name.clone(),
-        field,
-        reason,
-    };
-    if arm.bridge.is_some() {
-        return Err(bad(
-            format!("{prefix}.bridge"),
-            "trained bridges (PROTOCOL §7) are part of the grammar but this runner does not train them yet".into(),
-        ));
-    }
-    if let Some(h) = &arm.holder {
-        if h.requantize.is_some() {
-            return Err(bad(
-                format!("{prefix}.holder.requantize"),
-                "re-quantized senders are part of the grammar but this runner does not build them yet".into(),
-            ));
-        }
-        if let Some(m) = h.model.as_deref().filter(|m| *m != receiver_id) {
-            let sc = holder_config(m)
-                .map_err(|e| bad(format!("{prefix}.holder.model"), e.to_string()))?;
-            let same = sc.n_layers == model.n_layers
-                && sc.n_kv_heads == model.n_kv_heads
-                && sc.head_dim == model.head_dim
-                && sc.d_model == model.d_model;
-            if !same && h.projection.is_none() {
-                return Err(bad(
-                    format!("{prefix}.holder.projection"),
-                    format!(
-                        "sender `{m}` has cache shape {} layers x {} kv heads x {} head_dim (width {}), the receiver {} x {} x {} (width {}); a sender of another shape needs an explicit projection",
-                        sc.n_layers, sc.n_kv_heads, sc.head_dim, sc.d_model,
-                        model.n_layers, model.n_kv_heads, model.head_dim, model.d_model
-                    ),
-                ));
-            }
-            return Err(bad(
-                format!("{prefix}.holder.model"),
-                "senders with other weights are part of the grammar but this runner only runs the receiver's own weights as holder yet".into(),
-            ));
-        }
-        if h.projection.is_some() {
-            return Err(bad(
-                format!("{prefix}.holder.projection"),
-                "a projection needs a sender of another model".into(),
-            ));
-        }
-    }
-    if arm.expect == Some(Expect::Native) && arm.base == Base::Masked && arm.inject.is_empty() {
-        return Err(bad(
-            format!("{prefix}.expect"),
-            "a bare masked pass cannot equal the native reference".into(),
-        ));
-    }
-    let mut appended = false;
-    for (j, inj) in arm.inject.iter().enumerate() {
-        let f = |name: &str| format!("{prefix}.inject[{j}].{name}");
-        inj.layers.resolve(model.n_layers, &f("layers"))?;
-        if let Some(heads) = &inj.heads {
-            if inj.carrier == Carrier::H {
-                return Err(bad(
-                    f("heads"),
-                    "the residual carrier h has no heads".into(),
-                ));
-            }
-            if let Some(&h) = heads.iter().find(|&&h| h >= model.n_kv_heads) {
-                return Err(bad(
-                    f("heads"),
-                    format!(
-                        "kv head {h} is out of range for {} kv heads",
-                        model.n_kv_heads
-                    ),
-                ));
-            }
-        }
-        match (inj.mechanism.takes_alpha(), inj.alpha) {
-            (true, None) => {
-                return Err(bad(
-                    f("alpha"),
-                    format!("`{}` needs a weight `alpha`", inj.mechanism.name()),
-                ))
-            }
-            (false, Some(_)) => {
-                return Err(bad(
-                    f("alpha"),
-                    format!("`{}` takes no `alpha`", inj.mechanism.name()),
-                ))
-            }
-            (true, Some(a)) if !a.is_finite() => {
-                return Err(bad(f("alpha"), format!("alpha {a} is not finite")))
-            }
-            _ => {}
-        }
-        if inj.mechanism == Mechanism::Append {
-            if inj.carrier != Carrier::Kv {
-                return Err(bad(
-                    f("carrier"),
-                    "append adds attendable entries and needs both keys and values (`kv`)".into(),
-                ));
-            }
-            if !matches!(inj.positions, Positions::Passage | Positions::All) {
-                return Err(bad(
-                    f("positions"),
-                    "append takes a contiguous span: `passage` or `all`".into(),
-                ));
-            }
-            if inj.layers != tolerable_carrier::LayerSet::All {
-                return Err(bad(
-                    f("layers"),
-                    "appended segments are attendable in every layer; `layers` must be `all`"
-                        .into(),
-                ));
-            }
-            appended = true;
-        } else if appended {
-            return Err(bad(
-                f("mechanism"),
-                "slot edits must come before appended segments".into(),
-            ));
-        }
-        match &inj.source {
-            Source::Own | Source::Native | Source::Holder | Source::OtherItem => {}
-            other => {
-                return Err(bad(
-                    f("source"),
-                    format!(
-                        "source `{}` is part of the grammar but this runner does not build it yet",
-                        other.name()
-                    ),
-                ))
-            }
-        }
-        if let Some(p) = &inj.perturb {
-            p.validate(&f("perturb"))?;
-            if !p.is_implemented() {
-                return Err(bad(
-                    f("perturb"),
-                    format!(
-                        "perturbation `{}` needs a key bank, which this runner does not build yet",
-                        p.name()
-                    ),
-                ));
-            }
-        }
     }
     Ok(())
 }

@@ -43,6 +43,9 @@ pub enum DriverError {
     /// From the runtime.
     #[error(transparent)]
     Runtime(#[from] tolerable_runtime::RuntimeError),
+    /// From resolving, fetching or verifying a model.
+    #[error(transparent)]
+    Fetch(#[from] tolerable_fetch::FetchError),
     /// From carrier operations.
     #[error(transparent)]
     Carrier(#[from] tolerable_carrier::CarrierError),

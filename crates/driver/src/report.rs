@@ -5,81 +5,20 @@
 //! native reference drawn as lines and 95% intervals as bars.
 
 use crate::error::{io, DriverError, Result};
-use crate::records::{opt_f64s as col_f64, opt_i64s as col_i64, opt_strs as col_str, read_parquet};
+use crate::records::columns::rows as read_records;
+use crate::records::{read_parquet, SummaryRow};
 use plotters::prelude::*;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-/// One summary row as the report reads it.
-#[derive(Debug, Clone)]
-struct Row {
-    arm: String,
-    family: String,
-    point: BTreeMap<String, String>,
-    n: i64,
-    accuracy: f64,
-    se: f64,
-    ci: (f64, f64),
-    wilson: (f64, f64),
-    cond: Option<f64>,
-    cond_n: i64,
-    span_copy: f64,
-    fidelity: Option<f64>,
-    achieved: Option<f64>,
-    lift: Option<(f64, f64, f64)>,
-    strongest: Option<String>,
-    bit_exact: Option<i64>,
+fn read_rows(run_dir: &Path) -> Result<Vec<SummaryRow>> {
+    read_records(&read_parquet(&run_dir.join("summary.parquet"))?)
 }
 
-fn read_rows(run_dir: &Path) -> Result<Vec<Row>> {
-    let df = read_parquet(&run_dir.join("summary.parquet"))?;
-    let arm = col_str(&df, "arm")?;
-    let family = col_str(&df, "family")?;
-    let point = col_str(&df, "point")?;
-    let n = col_i64(&df, "n")?;
-    let acc = col_f64(&df, "accuracy")?;
-    let se = col_f64(&df, "se")?;
-    let lo = col_f64(&df, "ci_lo")?;
-    let hi = col_f64(&df, "ci_hi")?;
-    let wlo = col_f64(&df, "wilson_lo")?;
-    let whi = col_f64(&df, "wilson_hi")?;
-    let cond = col_f64(&df, "cond_accuracy")?;
-    let cond_n = col_i64(&df, "cond_n")?;
-    let copy = col_f64(&df, "span_copy_rate")?;
-    let fid = col_f64(&df, "fidelity_cosine")?;
-    let ach = col_f64(&df, "achieved_cosine")?;
-    let lift = col_f64(&df, "lift")?;
-    let lift_lo = col_f64(&df, "lift_lo")?;
-    let lift_hi = col_f64(&df, "lift_hi")?;
-    let strongest = col_str(&df, "strongest_control")?;
-    let exact = col_i64(&df, "bit_exact_items")?;
-    Ok((0..df.height())
-        .map(|i| Row {
-            arm: arm[i].clone().unwrap_or_default(),
-            family: family[i].clone().unwrap_or_default(),
-            point: point[i]
-                .as_deref()
-                .and_then(|p| serde_json::from_str(p).ok())
-                .unwrap_or_default(),
-            n: n[i].unwrap_or(0),
-            accuracy: acc[i].unwrap_or(f64::NAN),
-            se: se[i].unwrap_or(f64::NAN),
-            ci: (lo[i].unwrap_or(f64::NAN), hi[i].unwrap_or(f64::NAN)),
-            wilson: (wlo[i].unwrap_or(f64::NAN), whi[i].unwrap_or(f64::NAN)),
-            cond: cond[i],
-            cond_n: cond_n[i].unwrap_or(0),
-            span_copy: copy[i].unwrap_or(f64::NAN),
-            fidelity: fid[i],
-            achieved: ach[i],
-            lift: match (lift[i], lift_lo[i], lift_hi[i]) {
-                (Some(a), Some(b), Some(c)) => Some((a, b, c)),
-                _ => None,
-            },
-            strongest: strongest[i].clone(),
-            bit_exact: exact[i],
-        })
-        .collect())
+/// An arm's grid point with typed values.
+fn point(r: &SummaryRow) -> BTreeMap<String, serde_json::Value> {
+    serde_json::from_str(&r.arm.point).unwrap_or_default()
 }
 
 fn opt(v: Option<f64>, digits: usize) -> String {
@@ -103,7 +42,7 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
         )));
     }
     let rows = read_rows(run_dir)?;
-    let anchor = |name: &str| rows.iter().find(|r| r.arm == name).cloned();
+    let anchor = |name: &str| rows.iter().find(|r| r.arm.arm == name).cloned();
     let (floor, native) = (anchor("floor"), anchor("native"));
     let mut md = String::new();
     let name = meta["name"].as_str().unwrap_or("run");
@@ -153,39 +92,66 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
         let _ = writeln!(
             md,
             "Anchors: floor {:.3} ± {:.3}, native reference {:.3} ± {:.3} (n = {}).\n",
-            f.accuracy, f.se, n.accuracy, n.se, f.n
+            f.accuracy, f.se, n.accuracy, n.se, f.n_items
         );
+    }
+    if let Some(res) = meta["resources"].as_object().filter(|r| !r.is_empty()) {
+        let _ = writeln!(
+            md,
+            "Resources (fitted on training items, cached by content hash):\n"
+        );
+        for (name, r) in res {
+            let _ = writeln!(
+                md,
+                "- `{name}`: {} hash `{}`, {} ({} training items, built in {:.1} s)",
+                r["spec"]["kind"].as_str().unwrap_or("?"),
+                r["hash"].as_str().unwrap_or("?"),
+                r["obtained"].as_str().unwrap_or("?"),
+                r["training_items"].as_array().map(|a| a.len()).unwrap_or(0),
+                r["build_seconds"].as_f64().unwrap_or(0.0)
+            );
+        }
+        let _ = writeln!(md);
     }
     let _ = writeln!(
         md,
-        "| arm | n | accuracy ± SE | 95% CI | Wilson 95% | conditional (n) | span-copy | fidelity cos | achieved cos | lift over strongest control [95% CI] | bit-exact |"
+        "| arm | n | accuracy ± SE | 95% CI | Wilson 95% | conditional (n) | span-copy | fidelity cos | achieved cos | logit corr | lift over strongest control [95% CI] | bit-exact |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
-        let lift = match (&r.lift, &r.strongest) {
-            (Some((d, lo, hi)), Some(c)) => format!("{d:+.3} [{lo:+.3}, {hi:+.3}] vs `{c}`"),
+        let lift = match (r.lift, r.lift_lo, r.lift_hi, &r.strongest_control) {
+            (Some(d), Some(lo), Some(hi), Some(c)) => {
+                format!("{d:+.3} [{lo:+.3}, {hi:+.3}] vs `{c}`")
+            }
             _ => "–".into(),
         };
-        let _ =
-            writeln!(
+        let _ = writeln!(
             md,
-            "| `{}` | {} | {:.3} ± {:.3} | [{:.3}, {:.3}] | [{:.3}, {:.3}] | {} ({}) | {:.3} | {} | {} | {} | {} |",
-            r.arm,
-            r.n,
+            "| `{}` | {} | {:.3} ± {:.3} | [{:.3}, {:.3}] | [{:.3}, {:.3}] | {} ({}) | {:.3} | {} | {} | {} | {} | {} |",
+            r.arm.arm,
+            r.n_items,
             r.accuracy,
             r.se,
-            r.ci.0,
-            r.ci.1,
-            r.wilson.0,
-            r.wilson.1,
-            opt(r.cond, 3),
+            r.ci_lo,
+            r.ci_hi,
+            r.wilson_lo,
+            r.wilson_hi,
+            opt(r.cond_accuracy, 3),
             r.cond_n,
-            r.span_copy,
-            opt(r.fidelity, 4),
-            opt(r.achieved, 4),
+            r.span_copy_rate,
+            opt(r.mean_fidelity_cosine, 4),
+            opt(r.mean_achieved_cosine, 4),
+            opt(r.mean_logit_correlation, 3),
             lift,
-            r.bit_exact.map(|k| format!("{k}/{}", r.n)).unwrap_or_else(|| "–".into())
+            r.bit_exact_items.map(|k| format!("{k}/{}", r.n_items)).unwrap_or_else(|| "–".into())
         );
+    }
+    let notes = construction_notes(&rows, &meta);
+    if !notes.is_empty() {
+        let _ = writeln!(md, "\n## Notes\n");
+        for n in notes {
+            let _ = writeln!(md, "- {n}");
+        }
     }
     let plots = plot_axes(run_dir, &rows, floor.as_ref(), native.as_ref())?;
     if !plots.is_empty() {
@@ -240,31 +206,85 @@ fn register_font() -> Result<()> {
     .map_err(DriverError::Records)
 }
 
-/// Arm families on one grid axis: family name to (axis value, summary row).
-type Families<'a> = BTreeMap<String, Vec<(f64, &'a Row)>>;
+/// Series on one grid axis: series name to (axis value, summary row).
+type Families<'a> = BTreeMap<String, Vec<(f64, &'a SummaryRow)>>;
 
-/// One plot per numeric grid axis: every family on that axis as a series.
+/// What a reader must know to read some rows: controls that equal the floor
+/// by construction.
+fn construction_notes(rows: &[SummaryRow], meta: &serde_json::Value) -> Vec<String> {
+    let own_holder = meta["config"]["arms"]
+        .as_array()
+        .map(|arms| arms.iter().all(|a| a["arm"]["holder"].is_null()))
+        .unwrap_or(true);
+    let mut fams: Vec<String> = rows
+        .iter()
+        .filter(|r| {
+            own_holder
+                && r.arm.source.as_deref() == Some("holder")
+                && matches!(
+                    r.arm.positions.as_deref(),
+                    Some("fact_free_prefix") | Some("common_prefix")
+                )
+                && !r.arm.arm_json.contains("source_positions")
+        })
+        .map(|r| r.arm.family.clone())
+        .collect();
+    fams.dedup();
+    fams.into_iter()
+        .map(|f| format!(
+            "`{f}` writes the holder's states at fact-free common-prefix positions; the holder here is the receiver itself, whose states there equal its own on the masked passage (causal attention), so this control equals the floor by construction. The displaced control (the holder's fact-region states written at fact-free positions, `source_positions = \"fact_region\"`) is the sharper one."
+        ))
+        .collect()
+}
+
+/// One plot per numeric grid axis (a series per family and per value of
+/// the other axes), and a fidelity plot (accuracy against mean fidelity
+/// cosine and logit correlation) where arms measured fidelity.
 fn plot_axes(
     run_dir: &Path,
-    rows: &[Row],
-    floor: Option<&Row>,
-    native: Option<&Row>,
+    rows: &[SummaryRow],
+    floor: Option<&SummaryRow>,
+    native: Option<&SummaryRow>,
 ) -> Result<Vec<PathBuf>> {
     let mut axes: BTreeMap<String, Families> = BTreeMap::new();
     for r in rows {
-        if r.point.len() != 1 {
-            continue;
-        }
-        let (k, v) = r.point.iter().next().unwrap();
-        if let Ok(x) = v.parse::<f64>() {
+        let pt = point(r);
+        for (k, v) in &pt {
+            let x = match v {
+                serde_json::Value::Number(n) => n.as_f64(),
+                serde_json::Value::String(s) => s.parse::<f64>().ok(),
+                _ => None,
+            };
+            let Some(x) = x else { continue };
+            let others: Vec<String> = pt
+                .iter()
+                .filter(|(o, _)| *o != k)
+                .map(|(o, w)| {
+                    format!(
+                        "{o}={}",
+                        w.as_str()
+                            .map(String::from)
+                            .unwrap_or_else(|| w.to_string())
+                    )
+                })
+                .collect();
+            let series = if others.is_empty() {
+                r.arm.family.clone()
+            } else {
+                format!("{} @{}", r.arm.family, others.join(","))
+            };
             axes.entry(k.clone())
                 .or_default()
-                .entry(r.family.clone())
+                .entry(series)
                 .or_default()
                 .push((x, r));
         }
     }
-    if axes.is_empty() {
+    let fidelity: Vec<&SummaryRow> = rows
+        .iter()
+        .filter(|r| r.mean_fidelity_cosine.is_some() && r.arm.n_injections > 0)
+        .collect();
+    if axes.is_empty() && fidelity.len() < 3 {
         return Ok(Vec::new());
     }
     register_font()?;
@@ -277,6 +297,31 @@ fn plot_axes(
             .map_err(|e| DriverError::Records(format!("drawing {}: {e}", path.display())))?;
         out.push(path);
     }
+    if fidelity.len() >= 3 {
+        for (name, get) in [
+            (
+                "fidelity cosine",
+                (|r: &SummaryRow| r.mean_fidelity_cosine) as fn(&SummaryRow) -> Option<f64>,
+            ),
+            ("attention-logit correlation", |r: &SummaryRow| {
+                r.mean_logit_correlation
+            }),
+        ] {
+            let mut fams: Families = BTreeMap::new();
+            for r in &fidelity {
+                if let Some(x) = get(r) {
+                    fams.entry(r.arm.family.clone()).or_default().push((x, *r));
+                }
+            }
+            if fams.values().map(|v| v.len()).sum::<usize>() < 3 {
+                continue;
+            }
+            let path = dir.join(format!("accuracy_vs_{}.png", name.replace([' ', '-'], "_")));
+            draw(&path, name, &fams, floor, native)
+                .map_err(|e| DriverError::Records(format!("drawing {}: {e}", path.display())))?;
+            out.push(path);
+        }
+    }
     Ok(out)
 }
 
@@ -284,8 +329,8 @@ fn draw(
     path: &Path,
     axis: &str,
     families: &Families,
-    floor: Option<&Row>,
-    native: Option<&Row>,
+    floor: Option<&SummaryRow>,
+    native: Option<&SummaryRow>,
 ) -> std::result::Result<(), Box<dyn std::error::Error>> {
     let xs: Vec<f64> = families.values().flatten().map(|(x, _)| *x).collect();
     let (mut x0, mut x1) = xs
@@ -334,9 +379,9 @@ fn draw(
         chart.draw_series(pts.iter().map(|(x, r)| {
             ErrorBar::new_vertical(
                 *x,
-                r.ci.0.max(0.0),
+                r.ci_lo.max(0.0),
                 r.accuracy,
-                r.ci.1.min(1.0),
+                r.ci_hi.min(1.0),
                 color.filled(),
                 8,
             )

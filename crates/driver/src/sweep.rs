@@ -1,19 +1,26 @@
 //! A sweep: the grid of arms over a sample of items, cut into cells of
-//! items. Gates run first; each finished cell is written atomically; a
+//! items. The config compiles into a plan first; the output folder is
+//! checked before the model loads; resources are built or loaded; gates run
+//! before anything is written; each finished cell is written atomically; a
 //! rerun skips finished cells, so a killed sweep resumes where it stopped
 //! and shards of one sweep merge into one folder.
 
 use crate::config::SweepConfig;
 use crate::error::{io, DriverError, Result};
-use crate::records::{self, ArmColumns, ItemRow};
+use crate::items::ItemSet;
+use crate::plan::{compile, Plan};
+use crate::records::{self, ArmColumns, ItemRow, SampleRow};
+use crate::resources::store::{Meta, Obtained, Store};
+use crate::resources::{content_hash, BuildCx, EvalSet, TrainCx, Value};
 use crate::runner::{Batching, Runner};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tolerable_probe::score::score;
 use tolerable_probe::{SplitItem, SplitOptions, Template};
-use tolerable_runtime::{Checkpoint, ModelConfig, Precision};
+use tolerable_runtime::{Checkpoint, ModelConfig, Precision, Tokenizer};
 
 /// Options of one sweep invocation.
 #[derive(Debug, Clone, Default)]
@@ -30,6 +37,8 @@ pub struct SweepOptions {
     pub merge_only: bool,
     /// Batching of arms (batched unless measuring the baseline).
     pub one_at_a_time: bool,
+    /// Where resources are cached (default [`Store::default_root`]).
+    pub resource_root: Option<PathBuf>,
 }
 
 /// What a sweep invocation did.
@@ -52,21 +61,27 @@ pub fn cell_path(dir: &Path, c: usize) -> PathBuf {
     dir.join("items").join(format!("cell-{c:05}.parquet"))
 }
 
-/// Reads a sender's config (for shape checks) from a catalog id or a GGUF path.
+/// Reads a model's geometry (for shape checks and plans) from a catalog id
+/// or a path, without loading its weights.
 pub fn model_config_of(id: &str) -> Result<ModelConfig> {
-    let path = if Path::new(id).exists() {
-        PathBuf::from(id)
-    } else {
-        tolerable_runtime::catalog::cached(id)?.ok_or_else(|| {
-            DriverError::Config(format!(
-                "model `{id}` is not cached; run `cargo xtask fetch-model {id}`"
-            ))
-        })?
-    };
+    Ok(header(id)?.0)
+}
+
+/// The geometry and tokenizer of a GGUF model, read from its header.
+fn header(id: &str) -> Result<(ModelConfig, Tokenizer, PathBuf)> {
+    let path = tolerable_fetch::resolve(id)?.path;
+    if path.is_dir() {
+        let ck = Checkpoint::load_path(id, &path, Precision::F32, &candle_core::Device::Cpu)?;
+        return Ok((ck.model.config().clone(), ck.tokenizer, path));
+    }
     let mut f = std::fs::File::open(&path).map_err(io(format!("opening {}", path.display())))?;
     let ct = candle_core::quantized::gguf_file::Content::read(&mut f)
         .map_err(|e| DriverError::Config(format!("reading {}: {e}", path.display())))?;
-    Ok(ModelConfig::from_gguf(&ct)?)
+    Ok((
+        ModelConfig::from_gguf(&ct)?,
+        Tokenizer::from_gguf(&ct)?,
+        path,
+    ))
 }
 
 fn git_revision() -> String {
@@ -94,8 +109,10 @@ fn git_revision() -> String {
 
 fn write_json_atomic(path: &Path, v: &serde_json::Value) -> Result<()> {
     let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(v).unwrap_or_default())
-        .map_err(io(format!("writing {}", tmp.display())))?;
+    if let Err(e) = std::fs::write(&tmp, serde_json::to_string_pretty(v).unwrap_or_default()) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(format!("writing {}", tmp.display()))(e));
+    }
     std::fs::rename(&tmp, path).map_err(io(format!("renaming {}", tmp.display())))?;
     Ok(())
 }
@@ -158,6 +175,265 @@ fn check_out_dir(dir: &Path, hash: &str) -> Result<()> {
     Ok(())
 }
 
+/// Checks, before anything expensive, that the output folder can be
+/// created and written.
+fn check_writable(dir: &Path) -> Result<()> {
+    let unusable = |reason: String| DriverError::OutDir {
+        dir: dir.display().to_string(),
+        reason,
+    };
+    std::fs::create_dir_all(dir.join("items"))
+        .map_err(|e| unusable(format!("cannot be created ({e})")))?;
+    let probe = dir.join(format!(".write-check-{}", std::process::id()));
+    std::fs::write(&probe, b"tolerable").map_err(|e| unusable(format!("is not writable ({e})")))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+fn split_options(cfg: &SweepConfig, ctx: usize) -> SplitOptions {
+    SplitOptions {
+        template: if cfg.run.template == "chat" {
+            Template::Chat
+        } else {
+            Template::Raw
+        },
+        max_prompt_tokens: cfg.run.max_prompt_tokens.min(ctx - cfg.run.new_tokens),
+        ..SplitOptions::default()
+    }
+}
+
+/// The sampled evaluation items of a run.
+fn sample_items(
+    cfg: &SweepConfig,
+    tokenizer: &Tokenizer,
+    split: &SplitOptions,
+) -> Result<(tolerable_probe::sample::Sample, String)> {
+    let (items, source) = crate::items::load_items(&cfg.data, None, cfg.run.seed)?;
+    let sample =
+        tolerable_probe::sample::sample(&items, tokenizer, split, cfg.data.n, cfg.run.seed)?;
+    tracing::info!(
+        "{} items from {source} (seed {}, {} considered, dropped {:?})",
+        sample.items.len(),
+        cfg.run.seed,
+        sample.considered,
+        sample.dropped
+    );
+    Ok((sample, source))
+}
+
+/// A resource of the plan after building or loading it.
+#[derive(Debug, Clone)]
+pub struct ObtainedResource {
+    /// Its content hash.
+    pub hash: String,
+    /// How it was obtained.
+    pub obtained: Obtained,
+    /// Seconds its build took (when it was built).
+    pub build_seconds: f64,
+    /// Training items it was fitted on.
+    pub items: Vec<String>,
+}
+
+/// Builds (or loads from the cache) every resource of `plan`, in order.
+#[allow(clippy::too_many_arguments)]
+pub fn obtain_resources(
+    plan: &Plan,
+    ck: &Checkpoint,
+    split: &SplitOptions,
+    data: &BTreeMap<String, PathBuf>,
+    eval: &EvalSet,
+    store: &Store,
+) -> Result<(BTreeMap<String, Value>, BTreeMap<String, ObtainedResource>)> {
+    let model_sha = ck
+        .sha256
+        .clone()
+        .unwrap_or_else(|| format!("unhashed:{}", ck.id));
+    let mut values: BTreeMap<String, Value> = BTreeMap::new();
+    let mut info: BTreeMap<String, ObtainedResource> = BTreeMap::new();
+    for (name, spec) in &plan.resources {
+        let kind = spec.kind();
+        let cx = BuildCx {
+            train: TrainCx {
+                tokenizer: &ck.tokenizer,
+                split,
+                data,
+                eval,
+            },
+            model: &ck.model,
+            deps: &values,
+        };
+        let items = kind.training_items(&cx.train)?;
+        let ids: Vec<String> = items.iter().map(|i| i.item.id.clone()).collect();
+        let deps: BTreeMap<String, String> = kind
+            .deps()
+            .into_iter()
+            .map(|d| {
+                let h = info.get(&d).map(|o| o.hash.clone()).unwrap_or_default();
+                (d, h)
+            })
+            .collect();
+        let hash = content_hash(spec, &model_sha, &ids, &deps);
+        let (value, obtained, secs) = match store.load(spec, &hash, &model_sha)? {
+            Ok((v, meta)) => {
+                tracing::info!(
+                    "resource `{name}` ({}) loaded from the cache ({hash})",
+                    kind.describe()
+                );
+                (v, Obtained::Cached, meta.build_seconds)
+            }
+            Err(why) => {
+                let obtained = if why == "absent" {
+                    Obtained::Built
+                } else {
+                    tracing::warn!(
+                        "resource `{name}`: the cached copy is not used: {why}; rebuilding"
+                    );
+                    Obtained::Rebuilt
+                };
+                tracing::info!(
+                    "building resource `{name}` ({}) on {} training items",
+                    kind.describe(),
+                    ids.len()
+                );
+                let t0 = Instant::now();
+                let v = kind.build(&cx, &items)?;
+                let secs = t0.elapsed().as_secs_f64();
+                store.save(
+                    &v,
+                    &Meta {
+                        hash: hash.clone(),
+                        spec: spec.clone(),
+                        model_sha256: model_sha.clone(),
+                        items: ids.clone(),
+                        value_sha256: String::new(),
+                        build_seconds: secs,
+                    },
+                )?;
+                tracing::info!("resource `{name}` built in {secs:.1} s ({hash})");
+                (v, obtained, secs)
+            }
+        };
+        values.insert(name.clone(), value);
+        info.insert(
+            name.clone(),
+            ObtainedResource {
+                hash,
+                obtained,
+                build_seconds: secs,
+                items: ids,
+            },
+        );
+    }
+    Ok((values, info))
+}
+
+/// The plan of a config, as `--dry-run` prints it: compiled against the
+/// receiver's geometry (read from the model file's header, no weights),
+/// with the items sampled (tokenizer only), resource hashes and cache
+/// status, and an estimate of forward tokens and time.
+pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
+    let cfg = load_config(config_path, opts)?;
+    let (mcfg, tokenizer, path) = header(&cfg.run.model)?;
+    let plan = compile(&cfg, &mcfg, &cfg.run.model, &model_config_of)?;
+    let split = split_options(&cfg, mcfg.context_length);
+    let (sample, source) = sample_items(&cfg, &tokenizer, &split)?;
+    let mut out = format!(
+        "sweep `{}` (config hash {}), receiver {} ({} layers, width {}, {} kv heads x {}), {}\n{} items from {source}\n",
+        cfg.run.name,
+        cfg.hash(),
+        cfg.run.model,
+        mcfg.n_layers,
+        mcfg.d_model,
+        mcfg.n_kv_heads,
+        mcfg.head_dim,
+        path.display(),
+        sample.items.len()
+    );
+    let store = Store::new(
+        opts.resource_root
+            .clone()
+            .unwrap_or_else(Store::default_root),
+    );
+    // Hashes need the training items and the model's sha256 (the verified
+    // hash recorded beside a fetched file).
+    let sha = tolerable_fetch::provenance::recorded_sha256(&path)?
+        .unwrap_or_else(|| "(not yet verified)".into());
+    let mut status = BTreeMap::new();
+    let mut hashes: BTreeMap<String, String> = BTreeMap::new();
+    let eval = eval_set(&sample.items);
+    for (name, spec) in &plan.resources {
+        let kind = spec.kind();
+        // Training items need only the tokenizer; no model is run.
+        let ids: Vec<String> = kind
+            .training_items(&TrainCx {
+                tokenizer: &tokenizer,
+                split: &split,
+                data: &opts.data,
+                eval: &eval,
+            })?
+            .iter()
+            .map(|i| i.item.id.clone())
+            .collect();
+        let deps: BTreeMap<String, String> = kind
+            .deps()
+            .into_iter()
+            .map(|d| {
+                let h = hashes.get(&d).cloned().unwrap_or_default();
+                (d, h)
+            })
+            .collect();
+        let hash = content_hash(spec, &sha, &ids, &deps);
+        let cached = store.is_cached(kind.kind(), &hash);
+        status.insert(
+            name.clone(),
+            format!(
+                "hash {hash} {} ({} training items)",
+                if cached { "cached" } else { "to build" },
+                ids.len()
+            ),
+        );
+        hashes.insert(name.clone(), hash);
+    }
+    out.push_str(&plan.describe(&status));
+    // Estimate: passes read each context once (the shared prefix once),
+    // partners once each, the question per arm; decoding is batched.
+    let mut pass_tokens = 0usize;
+    let mut question_tokens = 0usize;
+    for it in &sample.items {
+        let p = it.pair();
+        pass_tokens += p.alt_len() + p.base.len() + plan.needs.partners * p.alt_len();
+        if !plan.needs.queries.is_empty() {
+            question_tokens += p.suffix.len();
+        }
+        question_tokens += p.suffix.len() * plan.programs.len();
+    }
+    let decode_tokens = sample.items.len() * plan.programs.len() * cfg.run.new_tokens;
+    let params =
+        (mcfg.n_layers * (4 * mcfg.d_model * mcfg.d_model + 3 * mcfg.d_model * mcfg.d_ffn)) as f64;
+    // 0.5B-class prefill runs about 140 tokens/s on 2 cores (README); scale by parameters.
+    let rate = 140.0 * (24.0 * (4.0 * 896.0 * 896.0 + 3.0 * 896.0 * 4864.0)) / params;
+    let decode_rate = rate * 4.0; // batched decoding steps serve many arms at once
+    let secs = (pass_tokens + question_tokens) as f64 / rate + decode_tokens as f64 / decode_rate;
+    let res_tokens: usize = plan
+        .resources
+        .iter()
+        .filter(|(n, _)| status.get(n).is_some_and(|s| s.contains("to build")))
+        .map(|(_, s)| s.kind().estimate_tokens())
+        .sum();
+    out.push_str(&format!(
+        "estimate: {pass_tokens} context tokens in passes, {question_tokens} question tokens, {decode_tokens} decoded tokens (batched), {res_tokens} tokens to build resources; about {:.0} min at ~{rate:.0} prefill tokens/s (a rough figure for this 2-core machine)\n",
+        (secs + res_tokens as f64 / rate) / 60.0
+    ));
+    Ok(out)
+}
+
+fn eval_set(items: &[SplitItem]) -> EvalSet {
+    EvalSet {
+        ids: items.iter().map(|i| i.item.id.clone()).collect(),
+        passages: items.iter().map(|i| i.item.context.clone()).collect(),
+    }
+}
+
 /// Runs (or resumes, or merges) a sweep.
 pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     let cfg = load_config(config_path, opts)?;
@@ -166,7 +442,20 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     check_out_dir(&dir, &hash)?;
     let n_cells = cfg.data.n.div_ceil(cfg.run.cell_items);
     if opts.merge_only {
-        return finish(&cfg, &dir, n_cells, 0);
+        let out = finish(&cfg, &dir, n_cells, 0)?;
+        if !out.summary_written {
+            let missing: Vec<String> = (0..n_cells)
+                .filter(|&c| !cell_path(&dir, c).exists())
+                .map(|c| c.to_string())
+                .collect();
+            return Err(DriverError::Records(format!(
+                "--merge: {} of {n_cells} cells are missing in {} (cells {}); run the remaining shards first",
+                missing.len(),
+                dir.display(),
+                missing.join(", ")
+            )));
+        }
+        return Ok(out);
     }
     if let Some((i, n)) = opts.shard {
         if n == 0 || i >= n {
@@ -180,15 +469,18 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         .precision
         .parse()
         .map_err(|e| DriverError::Config(format!("[run] precision: {e}")))?;
+    // Every arm must compile, and the folder must be writable, before the model loads.
+    let (mcfg, _, _) = header(&cfg.run.model)?;
+    let plan = compile(&cfg, &mcfg, &cfg.run.model, &model_config_of)?;
+    check_writable(&dir)?;
     let t_load = Instant::now();
-    let ck = Checkpoint::load(&cfg.run.model, precision, &candle_core::Device::Cpu)?;
+    let ck = tolerable_fetch::load(&cfg.run.model, precision, &candle_core::Device::Cpu)?;
     tracing::info!(
-        "loaded {} in {:.1} s",
+        "loaded {} in {:.1} s (sha256 {})",
         cfg.run.model,
-        t_load.elapsed().as_secs_f64()
+        t_load.elapsed().as_secs_f64(),
+        ck.sha256.as_deref().unwrap_or("not hashed")
     );
-    // Every arm must apply before any work.
-    cfg.validate(ck.model.config(), &cfg.run.model, &model_config_of)?;
     let ctx = ck.model.config().context_length;
     if cfg.run.new_tokens >= ctx {
         return Err(DriverError::Config(format!(
@@ -196,45 +488,22 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             cfg.run.new_tokens
         )));
     }
-    let (items, source) = crate::data::load_items(&cfg.data, None, cfg.run.seed)?;
-    let split = SplitOptions {
-        template: if cfg.run.template == "chat" {
-            Template::Chat
-        } else {
-            Template::Raw
-        },
-        max_prompt_tokens: cfg.run.max_prompt_tokens.min(ctx - cfg.run.new_tokens),
-        ..SplitOptions::default()
-    };
-    let sample =
-        tolerable_probe::sample::sample(&items, &ck.tokenizer, &split, cfg.data.n, cfg.run.seed)?;
-    tracing::info!(
-        "{} items from {source} (seed {}, {} considered, dropped {:?})",
-        sample.items.len(),
-        cfg.run.seed,
-        sample.considered,
-        sample.dropped
+    let split = split_options(&cfg, ctx);
+    let (sample, source) = sample_items(&cfg, &ck.tokenizer, &split)?;
+    let set = ItemSet::new(sample.items.clone(), plan.needs.partners, cfg.run.seed)?;
+    let store = Store::new(
+        opts.resource_root
+            .clone()
+            .unwrap_or_else(Store::default_root),
     );
-    let floor = cfg.anchor(crate::arm::Base::Masked);
-    let native = cfg.anchor(crate::arm::Base::Full);
-    let runner = Runner::new(
-        &ck.model,
-        &cfg.arms,
-        floor,
-        native,
-        cfg.run.new_tokens,
-        cfg.run.seed,
-    )?
-    .with_batching(if opts.one_at_a_time {
-        Batching::OneAtATime
-    } else {
-        Batching::Batched
-    });
-    let partners = if runner.needs_partner() {
-        Some(crate::data::partners(&sample.items, cfg.run.seed)?)
-    } else {
-        None
-    };
+    let (resources, obtained) = obtain_resources(
+        &plan,
+        &ck,
+        &split,
+        &opts.data,
+        &eval_set(&sample.items),
+        &store,
+    )?;
     // Gates first: no record is written if one fails.
     let t_gates = Instant::now();
     let gates = crate::gates::run_all(&ck, false)?;
@@ -254,8 +523,6 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             serde_json::to_string(&gates).unwrap_or_default()
         )));
     }
-    std::fs::create_dir_all(dir.join("items"))
-        .map_err(io(format!("creating {}", dir.display())))?;
     // Every invocation on this folder (first run, resumes, shards) is kept.
     let mut invocations: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("run.json"))
         .ok()
@@ -267,11 +534,29 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         "git_revision": git_revision(),
         "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")),
         "gates_passed": true,
+        "threads": candle_core::utils::get_num_threads(),
         "unix_time": std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
     }));
+    let resources_meta: serde_json::Map<String, serde_json::Value> = plan
+        .resources
+        .iter()
+        .map(|(name, spec)| {
+            let o = &obtained[name];
+            (
+                name.clone(),
+                serde_json::json!({
+                    "spec": spec,
+                    "hash": o.hash,
+                    "obtained": o.obtained,
+                    "build_seconds": o.build_seconds,
+                    "training_items": o.items,
+                }),
+            )
+        })
+        .collect();
     let meta = serde_json::json!({
         "name": cfg.run.name,
         "config_hash": hash,
@@ -280,6 +565,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         "model": {
             "id": cfg.run.model,
             "sha256": ck.sha256,
+            "sha256_verified": ck.sha256.is_some(),
             "path": ck.path.display().to_string(),
             "precision": cfg.run.precision,
             "config": ck.model.config(),
@@ -294,6 +580,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             "dropped": sample.dropped,
             "item_ids": sample.ids(),
         },
+        "resources": resources_meta,
         "template": cfg.run.template,
         "new_tokens": cfg.run.new_tokens,
         "max_prompt_tokens": split.max_prompt_tokens,
@@ -305,6 +592,10 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         "invocations": invocations,
     });
     write_json_atomic(&dir.join("run.json"), &meta)?;
+    records::write_rows(
+        sample_rows(&cfg.run.name, &set),
+        &dir.join("sample.parquet"),
+    )?;
 
     let mine: Vec<usize> = (0..n_cells)
         .filter(|c| opts.shard.is_none_or(|(i, n)| c % n == i))
@@ -334,27 +625,103 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar.set_prefix(format!("sweep {} ({} arms)", cfg.run.name, cfg.arms.len()));
-    let columns: Vec<ArmColumns> = cfg.arms.iter().map(ArmColumns::of).collect();
+    let headless = !std::io::stderr().is_terminal();
+    let hashes: BTreeMap<String, String> = obtained
+        .iter()
+        .map(|(n, o)| (n.clone(), o.hash.clone()))
+        .collect();
+    let columns = arm_columns(&cfg, &plan, &hashes);
+    let runner = Runner::new(
+        &ck.model,
+        &plan,
+        &resources,
+        cfg.run.new_tokens,
+        cfg.run.seed,
+    )
+    .with_batching(if opts.one_at_a_time {
+        Batching::OneAtATime
+    } else {
+        Batching::Batched
+    });
+    let t_run = Instant::now();
+    let mut done = 0usize;
     for &c in &todo {
         bar.set_message(format!("cell {c}"));
         let lo = c * cfg.run.cell_items;
-        let hi = (lo + cfg.run.cell_items).min(sample.items.len());
+        let hi = (lo + cfg.run.cell_items).min(set.items.len());
         let mut rows = Vec::new();
         for i in lo..hi {
-            let it = &sample.items[i];
-            let partner: Option<&SplitItem> = partners.as_ref().map(|p| &sample.items[p[i]]);
-            let outs = runner.run_item(it, i, partner)?;
-            rows.extend(item_rows(&cfg, &columns, &ck, it, i, &outs, native)?);
+            let outs = runner.run_item(&set.pairs[i], i, &set.partners_of(i))?;
+            rows.extend(item_rows(
+                &cfg,
+                &columns,
+                &ck,
+                &set.items[i],
+                i,
+                &outs,
+                plan.native,
+            )?);
             bar.inc(1);
+            done += 1;
         }
-        let mut df = records::items_frame(&cfg.run.name, &rows)?;
-        records::write_parquet_atomic(&mut df, &cell_path(&dir, c))?;
+        records::write_rows(rows, &cell_path(&dir, c))?;
+        if headless {
+            let rate = done as f64 / t_run.elapsed().as_secs_f64().max(1e-9);
+            tracing::info!(
+                "cell {c} written: {done}/{n_items} items this invocation, {rate:.2} items/s, eta {:.0} s",
+                (n_items - done) as f64 / rate.max(1e-9)
+            );
+        }
     }
     bar.finish_and_clear();
     finish(&cfg, &dir, n_cells, todo.len()).map(|mut o| {
         o.skipped = skipped;
         o
     })
+}
+
+/// The arms' record columns: their fields, every injection as the plan
+/// compiled it, and the hashes of the resources they read.
+pub fn arm_columns(
+    cfg: &SweepConfig,
+    plan: &Plan,
+    hashes: &BTreeMap<String, String>,
+) -> Vec<ArmColumns> {
+    cfg.arms
+        .iter()
+        .zip(&plan.programs)
+        .map(|(pa, p)| {
+            ArmColumns::of(
+                &cfg.run.name,
+                pa,
+                p.steps().map(|s| s.describe()).collect(),
+                p.resources
+                    .iter()
+                    .map(|r| format!("{r}={}", hashes.get(r).cloned().unwrap_or_default()))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+fn sample_rows(run: &str, set: &ItemSet) -> Vec<SampleRow> {
+    set.items
+        .iter()
+        .enumerate()
+        .map(|(i, it)| SampleRow {
+            run: run.to_string(),
+            item_index: i as i64,
+            item_id: it.item.id.clone(),
+            title: it.item.title.clone(),
+            question: it.item.question.clone(),
+            answers: it.item.answers.clone(),
+            passage: it.item.context.clone(),
+            passage_start: it.prefix_ids.len() as i64,
+            fact_positions: it.fact_positions().iter().map(|&p| p as u32).collect(),
+            prompt_tokens: it.full_prompt().len() as i64,
+            answer_spans: it.n_answer_spans as i64,
+        })
+        .collect()
 }
 
 fn item_rows(
@@ -386,19 +753,15 @@ fn item_rows(
             item_id: it.item.id.clone(),
             prompt_tokens: it.full_prompt().len() as i64,
             fact_tokens: it.fact_region.len() as i64,
-            n_sites: o.n_sites as i64,
+            n_sites: o.measures.n_sites as i64,
             continuation: texts[a].clone(),
-            continuation_ids: o
-                .tokens
-                .iter()
-                .map(|t| t.to_string())
-                .collect::<Vec<_>>()
-                .join(" "),
+            continuation_ids: o.tokens.clone(),
             correct: sc.correct,
             span_copy: sc.span_copy,
             native_correct,
-            fidelity_cosine: o.fidelity_cosine,
-            achieved_cosine: o.achieved_cosine,
+            fidelity_cosine: o.measures.fidelity_cosine,
+            achieved_cosine: o.measures.achieved_cosine,
+            logit_correlation: o.measures.logit_correlation,
             bit_exact: o.bit_exact,
             seconds: o.seconds,
         });
@@ -424,9 +787,19 @@ fn finish(cfg: &SweepConfig, dir: &Path, n_cells: usize, computed: usize) -> Res
         return Ok(out);
     }
     let items = records::read_items(dir)?;
-    let rows = records::summarize(cfg, &items)?;
-    let mut df = records::summary_frame(&cfg.run.name, &rows)?;
-    records::write_parquet_atomic(&mut df, &dir.join("summary.parquet"))?;
+    // The arms' columns as the cells recorded them (resource hashes included).
+    let mut columns = Vec::with_capacity(cfg.arms.len());
+    for pa in &cfg.arms {
+        let row = items
+            .iter()
+            .find(|r| r.arm.arm == pa.arm.name)
+            .ok_or_else(|| {
+                DriverError::Records(format!("no item rows for arm `{}`", pa.arm.name))
+            })?;
+        columns.push(row.arm.clone());
+    }
+    let rows = records::summarize(cfg, &columns, &items)?;
+    records::write_rows(rows, &dir.join("summary.parquet"))?;
     out.summary_written = true;
     Ok(out)
 }

@@ -4,8 +4,8 @@
 
 use tolerable_driver::config::SweepConfig;
 use tolerable_driver::{Arm, DriverError};
-use tolerable_runtime::tiny::TinySpec;
 use tolerable_runtime::ModelConfig;
+use tolerable_testkit::tiny::TinySpec;
 
 fn configs_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs")
@@ -22,9 +22,20 @@ fn round_trip(cfg: &SweepConfig) {
 #[test]
 fn shipped_configs_parse_expand_and_round_trip() {
     let mut seen = 0;
-    for e in std::fs::read_dir(configs_dir()).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_some_and(|x| x == "toml") {
+    let mut files = Vec::new();
+    let mut dirs = vec![configs_dir()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "toml") {
+                files.push(p);
+            }
+        }
+    }
+    for p in files {
+        {
             let cfg = SweepConfig::from_file(&p).unwrap();
             assert_eq!(
                 cfg.arms[cfg.anchor(tolerable_driver::Base::Masked)]
@@ -40,7 +51,7 @@ fn shipped_configs_parse_expand_and_round_trip() {
             seen += 1;
         }
     }
-    assert!(seen >= 3);
+    assert!(seen >= 5);
     let two = SweepConfig::from_file(&configs_dir().join("first-2x2.toml")).unwrap();
     let names: Vec<&str> = two.arms.iter().map(|a| a.arm.name.as_str()).collect();
     for want in [
@@ -85,6 +96,19 @@ name = "protocol"
 source = "synthetic"
 n = 4
 
+# §5 the key bank and codebooks fitted on it are resources: fitted on
+# training items, cached by content hash
+[resources.bank]
+kind = "key_bank"
+size = 6000
+contexts = 64
+data = "squad_train"
+[resources.kmeans]
+kind = "codebook"
+bank = "bank"
+construction = "kmeans"
+size = 32
+
 # §5 cosine-calibrated noise on keys, per item and layer
 [[arms]]
 name = "k_noise"
@@ -100,15 +124,15 @@ name = "budget_off"
 inject = { carrier = "k", layers = "prefix:8", positions = "passage", source = "native", perturb = { kind = "cosine_noise", target_cosine = 0.9 } }
 [[arms]]
 name = "budget_on"
-inject = { carrier = "k", layers = "prefix:8", positions = "passage", source = "native", perturb = { kind = "nearest_genuine", target_cosine = 0.9 } }
+inject = { carrier = "k", layers = "prefix:8", positions = "passage", source = { bank = { bank = "bank", cosine = 0.9 } } }
 # §5 key bank: k-th nearest neighbour, interpolated
 [[arms]]
 name = "bank"
-inject = { carrier = "k", positions = "passage", source = { bank = { size = 6000, neighbour = 3 } }, mechanism = "interpolate", alpha = 0.5 }
+inject = { carrier = "k", positions = "passage", source = { bank = { bank = "bank", neighbour = 3 } }, mechanism = "interpolate", alpha = 0.5 }
 # §5 codebooks
 [[arms]]
 name = "codebook"
-inject = { carrier = "k", positions = "passage", source = { codebook = { construction = "kmeans", snapping = "cosine", size = 256 } } }
+inject = { carrier = "k", positions = "passage", source = { codebook = { codebook = "kmeans", snapping = "cosine" } } }
 # §5 sparse damage, whole heads, whole layers, quantization
 [[arms]]
 name = "sparse_v"
@@ -133,6 +157,10 @@ name = "act_noop"
 expect = "floor"
 inject = { carrier = "h", positions = "fact_region", source = "own" }
 grid = { layers = [4, 8] }
+# §6 the displaced control: the holder's fact-region states at fact-free positions
+[[arms]]
+name = "act_displaced"
+inject = { carrier = "h", layers = 8, positions = "fact_free_prefix", source_positions = "fact_region", source = "holder" }
 # §6 activation augmentation over a pool of 3 holders
 [[arms]]
 name = "act_augment"
@@ -222,7 +250,7 @@ fn receiver() -> ModelConfig {
     let spec = TinySpec::default();
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("r.gguf");
-    tolerable_runtime::tiny::write_gguf(&spec, &p).unwrap();
+    tolerable_testkit::tiny::write_gguf(&spec, &p).unwrap();
     tolerable_driver::sweep::model_config_of(p.to_str().unwrap()).unwrap()
 }
 
@@ -231,10 +259,10 @@ fn validate(arms: &str, holder: &dyn Fn(&str) -> tolerable_driver::Result<ModelC
         "[run]\nname = \"x\"\nmodel = \"receiver\"\n[data]\nsource = \"synthetic\"\nn = 2\n{arms}"
     );
     let cfg = SweepConfig::parse(&text).unwrap();
-    match cfg.validate(&receiver(), "receiver", holder) {
-        Err(e @ DriverError::Inapplicable { .. }) | Err(e @ DriverError::Carrier(_)) => {
-            e.to_string()
-        }
+    match tolerable_driver::compile(&cfg, &receiver(), "receiver", holder) {
+        Err(e @ DriverError::Inapplicable { .. })
+        | Err(e @ DriverError::Carrier(_))
+        | Err(e @ DriverError::Config(_)) => e.to_string(),
         other => panic!("expected an inapplicable arm, got {other:?}"),
     }
 }
@@ -260,15 +288,28 @@ fn arms_that_cannot_apply_fail_validation_naming_the_field() {
     assert!(e.contains("alpha"), "{e}");
     let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"h\", source = \"holder\", mechanism = \"append\" }\n", &none);
     assert!(e.contains("inject[0].carrier"), "{e}");
-    let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = { bank = { neighbour = 2 } } }\n", &none);
-    assert!(e.contains("inject[0].source") && e.contains("bank"), "{e}");
+    // An arm that needs a resource the config does not define.
+    let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = { bank = { bank = \"keys\", neighbour = 2 } } }\n", &none);
+    assert!(
+        e.contains("inject[0].source.bank.bank") && e.contains("[resources.keys]"),
+        "{e}"
+    );
+    let bank = "[resources.keys]\nkind = \"key_bank\"\nsize = 100\n";
+    // A bank substitution on values, and a neighbour the bank cannot have.
+    let e = validate(&format!("{bank}[[arms]]\nname = \"a\"\ninject = {{ carrier = \"v\", source = {{ bank = {{ bank = \"keys\", neighbour = 2 }} }} }}\n"), &none);
+    assert!(e.contains("inject[0].carrier"), "{e}");
+    let e = validate(&format!("{bank}[[arms]]\nname = \"a\"\ninject = {{ carrier = \"k\", source = {{ bank = {{ bank = \"keys\", neighbour = 101 }} }} }}\n"), &none);
+    assert!(e.contains("neighbour 101"), "{e}");
+    // Projection onto the span of as many entries as the key dimension is the identity.
+    let e = validate(&format!("{bank}[resources.cb]\nkind = \"codebook\"\nbank = \"keys\"\nconstruction = \"kmeans\"\nsize = 16\n[[arms]]\nname = \"a\"\ninject = {{ carrier = \"k\", source = {{ codebook = {{ codebook = \"cb\", snapping = \"projection\" }} }} }}\n"), &none);
+    assert!(e.contains("identity"), "{e}");
     let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = \"native\", perturb = { kind = \"cosine_noise\", target_cosine = 1.5 } }\n", &none);
     assert!(e.contains("inject[0].perturb") && e.contains("1.5"), "{e}");
     // A sender with another cache shape and no projection.
     let other = |_: &str| -> tolerable_driver::Result<ModelConfig> {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("s.gguf");
-        tolerable_runtime::tiny::write_gguf(
+        tolerable_testkit::tiny::write_gguf(
             &TinySpec {
                 n_layers: 4,
                 ..TinySpec::default()
@@ -286,4 +327,34 @@ fn arms_that_cannot_apply_fail_validation_naming_the_field() {
         e.contains("arms[0].holder.projection") && e.contains("4 layers"),
         "{e}"
     );
+}
+
+#[test]
+fn resources_that_cannot_be_built_fail_before_any_work() {
+    let none = |_: &str| -> tolerable_driver::Result<ModelConfig> { unreachable!() };
+    // A codebook larger than its bank.
+    let e = validate(
+        "[resources.keys]\nkind = \"key_bank\"\nsize = 10\n[resources.cb]\nkind = \"codebook\"\nbank = \"keys\"\nconstruction = \"kmeans\"\nsize = 11\n[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = { codebook = { codebook = \"cb\", snapping = \"l2\" } } }\n",
+        &none,
+    );
+    assert!(
+        e.contains("[resources.cb]") && e.contains("larger than its bank"),
+        "{e}"
+    );
+    // A bank fitted on the evaluation split.
+    let e = validate(
+        "[resources.keys]\nkind = \"key_bank\"\ndata = \"squad_dev\"\n[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = { bank = { bank = \"keys\", neighbour = 1 } } }\n",
+        &none,
+    );
+    assert!(
+        e.contains("[resources.keys]") && e.contains("squad_dev"),
+        "{e}"
+    );
+    // A codebook on a resource that is not declared, and a dependency cycle, fail at parse time.
+    let text = "[run]\nname = \"x\"\n[data]\nsource = \"synthetic\"\nn = 2\n[resources.cb]\nkind = \"codebook\"\nbank = \"nope\"\nconstruction = \"pca\"\nsize = 4\n";
+    let e = SweepConfig::parse(text).unwrap_err().to_string();
+    assert!(e.contains("nope") && e.contains("not declared"), "{e}");
+    let text = "[run]\nname = \"x\"\n[data]\nsource = \"synthetic\"\nn = 2\n[resources.keys]\nkind = \"key_bank\"\nsise = 3\n";
+    let e = SweepConfig::parse(text).unwrap_err().to_string();
+    assert!(e.contains("[resources.keys]") && e.contains("sise"), "{e}");
 }

@@ -7,11 +7,13 @@
 //! The model must be cached (`cargo xtask fetch-model qwen2.5-coder-0.5b-instruct`);
 //! a missing model fails unless `TOLERABLE_SKIP_REAL=1`.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use tolerable_driver::config::SweepConfig;
-use tolerable_driver::{Base, Batching, Runner};
+use tolerable_driver::{compile, Base, Batching, Runner};
+use tolerable_fetch::catalog;
 use tolerable_probe::SplitOptions;
-use tolerable_runtime::{catalog, Checkpoint, GreedyOptions, Precision};
+use tolerable_runtime::{GreedyOptions, Precision};
 
 const ID: &str = "qwen2.5-coder-0.5b-instruct";
 
@@ -54,7 +56,7 @@ fn runner_on_the_real_model_matches_plain_generation_and_passes_its_gates() {
         }
         panic!("{ID} is not in the cache; run `cargo xtask fetch-model {ID}` (or set TOLERABLE_SKIP_REAL=1)");
     }
-    let ck = Checkpoint::load(ID, Precision::F32, &candle_core::Device::Cpu).unwrap();
+    let ck = tolerable_fetch::load(ID, Precision::F32, &candle_core::Device::Cpu).unwrap();
     let squad =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/squad/squad-dev.json");
     let raw = tolerable_probe::squad::load(&squad).unwrap();
@@ -62,17 +64,15 @@ fn runner_on_the_real_model_matches_plain_generation_and_passes_its_gates() {
         tolerable_probe::sample::sample(&raw, &ck.tokenizer, &SplitOptions::default(), 3, 0)
             .unwrap();
     let cfg = SweepConfig::parse(ARMS).unwrap();
-    cfg.validate(ck.model.config(), ID, &|_| unreachable!())
-        .unwrap();
+    let plan = compile(&cfg, ck.model.config(), ID, &|_| unreachable!()).unwrap();
     let (floor, native) = (cfg.anchor(Base::Masked), cfg.anchor(Base::Full));
     let idx = |name: &str| cfg.arms.iter().position(|a| a.arm.name == name).unwrap();
-    let batched = Runner::new(&ck.model, &cfg.arms, floor, native, 8, 0).unwrap();
-    let single = Runner::new(&ck.model, &cfg.arms, floor, native, 8, 0)
-        .unwrap()
-        .with_batching(Batching::OneAtATime);
+    let none = BTreeMap::new();
+    let batched = Runner::new(&ck.model, &plan, &none, 8, 0);
+    let single = Runner::new(&ck.model, &plan, &none, 8, 0).with_batching(Batching::OneAtATime);
     for (i, it) in sample.items.iter().enumerate() {
-        let b = batched.run_item(it, i, None).unwrap();
-        let s = single.run_item(it, i, None).unwrap();
+        let b = batched.run_item(&it.pair(), i, &[]).unwrap();
+        let s = single.run_item(&it.pair(), i, &[]).unwrap();
         for (a, pa) in cfg.arms.iter().enumerate() {
             assert_eq!(
                 b[a].tokens, s[a].tokens,
@@ -83,7 +83,7 @@ fn runner_on_the_real_model_matches_plain_generation_and_passes_its_gates() {
         assert_eq!(b[idx("identity")].bit_exact, Some(true));
         assert_eq!(b[idx("noop_resid")].bit_exact, Some(true));
         assert_eq!(b[idx("h_identity")].tokens, b[native].tokens);
-        assert!((b[idx("act_replace")].fidelity_cosine.unwrap() - 1.0).abs() < 1e-9);
+        assert!((b[idx("act_replace")].measures.fidelity_cosine.unwrap() - 1.0).abs() < 1e-9);
         // The anchors from shared passes equal plain generation on the whole prompts.
         for (prompt, arm) in [(it.masked_prompt(), floor), (it.full_prompt(), native)] {
             let mut c = ck.model.new_cache(1);
@@ -100,4 +100,41 @@ fn runner_on_the_real_model_matches_plain_generation_and_passes_its_gates() {
             );
         }
     }
+}
+
+/// Every shipped config compiles against its receiver's real geometry (the
+/// model file's header; configs of receivers not fetched here are skipped).
+#[test]
+fn shipped_configs_compile_against_their_receivers() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    let mut dirs = vec![root];
+    let mut compiled = 0;
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+                continue;
+            }
+            if p.extension().is_none_or(|x| x != "toml") {
+                continue;
+            }
+            let cfg = SweepConfig::from_file(&p).unwrap();
+            if tolerable_fetch::resolve(&cfg.run.model).is_err() {
+                eprintln!("skipping {}: {} is not fetched", p.display(), cfg.run.model);
+                continue;
+            }
+            let geometry = tolerable_driver::sweep::model_config_of(&cfg.run.model).unwrap();
+            let plan = compile(
+                &cfg,
+                &geometry,
+                &cfg.run.model,
+                &tolerable_driver::sweep::model_config_of,
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            assert_eq!(plan.programs.len(), cfg.arms.len());
+            compiled += 1;
+        }
+    }
+    assert!(compiled >= 5, "{compiled} configs compiled");
 }

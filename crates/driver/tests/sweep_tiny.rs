@@ -5,7 +5,7 @@
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use std::path::{Path, PathBuf};
 use tolerable_driver::sweep::{self, SweepOptions};
-use tolerable_runtime::tiny::{write_gguf, TinySpec};
+use tolerable_testkit::tiny::{write_gguf, TinySpec};
 
 fn tiny(dir: &Path) -> PathBuf {
     let p = dir.join("tiny.gguf");
@@ -94,18 +94,15 @@ inject = {{ carrier = "h", layers = "suffix:1", positions = "fact_region", sourc
     p
 }
 
-/// Every row of a Parquet file as (column name -> display text) maps, read with the `parquet` crate.
+/// Every row of a Parquet file as display texts, with the top-level column
+/// names, read with the `parquet` crate (lists print as `[a, b]`).
 fn rows(path: &Path) -> (Vec<String>, Vec<Vec<String>>) {
     let r = SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
-    let schema = r.metadata().file_metadata().schema_descr();
-    let names: Vec<String> = schema
-        .columns()
-        .iter()
-        .map(|c| c.name().to_string())
-        .collect();
+    let mut names = Vec::new();
     let mut out = Vec::new();
     for row in r.get_row_iter(None).unwrap() {
         let row = row.unwrap();
+        names = row.get_column_iter().map(|(n, _)| n.clone()).collect();
         out.push(
             row.get_column_iter()
                 .map(|(_, f)| match f {
@@ -189,6 +186,21 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
         }
     }
     assert_eq!(gated, 5 * 4);
+    // Every row carries its whole arm and every injection.
+    let json = col(&names, &all, "arm_json");
+    let k = arm.iter().position(|a| a == "v_interp").unwrap();
+    assert!(json[k].contains("\"heads\":[0]"), "{}", json[k]);
+    let injections = col(&names, &all, "injections");
+    assert!(
+        injections[k].contains("v at layers [1, 2]"),
+        "{}",
+        injections[k]
+    );
+    // The sample table holds the questions and gold answers.
+    let (qn, qr) = rows(&out.join("sample.parquet"));
+    assert_eq!(qr.len(), 5);
+    assert!(col(&qn, &qr, "question").iter().all(|q| q.ends_with('?')));
+    assert!(col(&qn, &qr, "answers").iter().all(|a| a.starts_with('[')));
     // Continuations of identity equal native, of no-op equal floor, item by item.
     let cont = col(&names, &all, "continuation_ids");
     let item = col(&names, &all, "item_id");
@@ -216,7 +228,7 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     let (snames, srows) = rows(&out.join("summary.parquet"));
     for want in [
         "arm",
-        "n",
+        "n_items",
         "accuracy",
         "se",
         "ci_lo",
@@ -233,7 +245,7 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     }
     assert_eq!(srows.len(), n_arms);
     let sarm = col(&snames, &srows, "arm");
-    let sn = col(&snames, &srows, "n");
+    let sn = col(&snames, &srows, "n_items");
     assert!(sn.iter().all(|n| n == "5"));
     let strongest = col(&snames, &srows, "strongest_control");
     let k = sarm
@@ -324,5 +336,249 @@ fn an_output_folder_of_another_config_is_refused_and_left_alone() {
     assert_eq!(
         std::fs::read(out.join("items/cell-00000.parquet")).unwrap(),
         before
+    );
+}
+
+fn resource_config(dir: &Path, model: &Path, bank_size: usize) -> PathBuf {
+    let text = format!(
+        r#"
+[run]
+name = "tiny-bank"
+model = "{}"
+seed = 5
+new_tokens = 3
+cell_items = 2
+
+[data]
+source = "synthetic"
+n = 3
+
+[resources.bank]
+kind = "key_bank"
+size = {bank_size}
+contexts = 6
+data = "synthetic"
+
+[resources.pca]
+kind = "codebook"
+bank = "bank"
+construction = "pca"
+size = 4
+
+[[arms]]
+name = "bank_interp"
+base = "full"
+inject = {{ carrier = "k", positions = "passage", source = {{ bank = {{ bank = "bank", neighbour = 1 }} }}, mechanism = "interpolate", alpha = 0.5 }}
+grid = {{ alpha = [0.0, 1.0], "source.bank.neighbour" = [1, 3] }}
+
+[[arms]]
+name = "bank_gate"
+base = "full"
+expect = "native"
+inject = {{ carrier = "k", positions = "passage", source = {{ bank = {{ bank = "bank", neighbour = 2 }} }}, mechanism = "interpolate", alpha = 0.0 }}
+
+[[arms]]
+name = "bank_cosine"
+base = "full"
+inject = {{ carrier = "k", layers = "prefix:2", positions = "passage", source = {{ bank = {{ bank = "bank", cosine = 0.5 }} }} }}
+
+[[arms]]
+name = "pca"
+base = "full"
+inject = {{ carrier = "k", positions = "passage", source = {{ codebook = {{ codebook = "pca", snapping = "l2" }} }} }}
+grid = {{ "source.codebook.snapping" = ["l2", "cosine", "projection"] }}
+
+[[arms]]
+name = "act_displaced"
+inject = {{ carrier = "h", layers = 1, positions = "fact_free_prefix", source_positions = "fact_region", source = "holder" }}
+"#,
+        model.display()
+    );
+    let p = dir.join("bank.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn a_key_bank_and_codebooks_are_built_once_cached_and_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = resource_config(dir.path(), &model, 40);
+    let cache = dir.path().join("resources");
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    sweep::run(&cfg, &opts("a")).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("a/run.json")).unwrap())
+            .unwrap();
+    let bank = &meta["resources"]["bank"];
+    assert_eq!(bank["obtained"], "built");
+    let hash = bank["hash"].as_str().unwrap().to_string();
+    assert_eq!(hash.len(), 16);
+    assert_eq!(meta["resources"]["pca"]["obtained"], "built");
+    // Training items are never evaluation items.
+    let eval: Vec<&str> = meta["data"]["item_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(bank["training_items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| !eval.contains(&t.as_str().unwrap())));
+    // Rows name the resources they read, with the hash.
+    let (names, all) = rows(&dir.path().join("a/items/cell-00000.parquet"));
+    let arm = col(&names, &all, "arm");
+    let res = col(&names, &all, "resources");
+    let k = arm
+        .iter()
+        .position(|a| a.starts_with("bank_interp"))
+        .unwrap();
+    assert!(res[k].contains(&format!("bank={hash}")), "{}", res[k]);
+    let k = arm.iter().position(|a| a == "floor").unwrap();
+    assert_eq!(res[k], "[]");
+    // The alpha = 0 cell is bit-exact to its base (the native reference).
+    let exact = col(&names, &all, "bit_exact");
+    for (a, e) in arm.iter().zip(&exact) {
+        if a == "bank_gate" {
+            assert_eq!(e, "true");
+        }
+    }
+    let ach = col(&names, &all, "achieved_cosine");
+    let corr = col(&names, &all, "logit_correlation");
+    let k = arm
+        .iter()
+        .position(|a| a == "bank_interp@alpha=1.0,source.bank.neighbour=1")
+        .unwrap();
+    let c: f64 = ach[k].parse().unwrap();
+    assert!(c > -1.0 && c < 1.0, "{c}");
+    let r: f64 = corr[k].parse().unwrap();
+    assert!(r > -1.0 && r < 1.0, "{r}");
+    let d = arm.iter().position(|a| a == "act_displaced").unwrap();
+    assert_ne!(col(&names, &all, "n_sites")[d], "0");
+
+    // A second run loads both from the cache.
+    sweep::run(&cfg, &opts("b")).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("b/run.json")).unwrap())
+            .unwrap();
+    assert_eq!(meta["resources"]["bank"]["obtained"], "cached");
+    assert_eq!(meta["resources"]["bank"]["hash"], hash.as_str());
+    let (n2, r2) = rows(&dir.path().join("b/items/cell-00000.parquet"));
+    assert_eq!(
+        col(&n2, &r2, "continuation_ids"),
+        col(&names, &all, "continuation_ids")
+    );
+
+    // A cached bank recorded for another model is rebuilt, never used.
+    let folder = cache.join(format!("key_bank-{hash}"));
+    let mpath = folder.join("meta.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mpath).unwrap()).unwrap();
+    m["model_sha256"] = "0000".into();
+    std::fs::write(&mpath, m.to_string()).unwrap();
+    sweep::run(&cfg, &opts("c")).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("c/run.json")).unwrap())
+            .unwrap();
+    assert_eq!(meta["resources"]["bank"]["obtained"], "rebuilt");
+    // So is one whose value file was altered.
+    let vpath = folder.join("value.safetensors");
+    let mut bytes = std::fs::read(&vpath).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&vpath, bytes).unwrap();
+    sweep::run(&cfg, &opts("d")).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("d/run.json")).unwrap())
+            .unwrap();
+    assert_eq!(meta["resources"]["bank"]["obtained"], "rebuilt");
+    let (n4, r4) = rows(&dir.path().join("d/items/cell-00000.parquet"));
+    assert_eq!(
+        col(&n4, &r4, "continuation_ids"),
+        col(&names, &all, "continuation_ids")
+    );
+}
+
+#[test]
+fn a_bank_larger_than_the_keys_available_fails_before_any_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = resource_config(dir.path(), &model, 100_000);
+    let out = dir.path().join("run");
+    let e = sweep::run(
+        &cfg,
+        &SweepOptions {
+            out: Some(out.clone()),
+            resource_root: Some(dir.path().join("resources")),
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("100000") && e.contains("larger than"), "{e}");
+    assert!(!out.join("run.json").exists());
+    assert!(tolerable_driver::records::cell_files(&out)
+        .unwrap()
+        .is_empty());
+}
+
+/// Other readers: pyarrow reads a sweep's cells as one dataset and filters
+/// them on a string column; pandas reads a cell and the sample table. Needs
+/// python3 with pyarrow and pandas (`.ci/run` installs them); without them
+/// the test fails unless `TOLERABLE_SKIP_PYARROW=1`.
+#[test]
+fn pyarrow_and_pandas_read_and_filter_the_records() {
+    let probe = std::process::Command::new("python3")
+        .args(["-c", "import pyarrow, pandas"])
+        .output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        if std::env::var("TOLERABLE_SKIP_PYARROW").is_ok_and(|v| v == "1") {
+            eprintln!("skipping: python3 with pyarrow and pandas is not available");
+            return;
+        }
+        panic!("python3 with pyarrow and pandas is needed (pip install pyarrow pandas), or set TOLERABLE_SKIP_PYARROW=1");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = config(dir.path(), &model, 3, 2);
+    let out = dir.path().join("run");
+    sweep::run(
+        &cfg,
+        &SweepOptions {
+            out: Some(out.clone()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let script = r#"
+import sys
+import pyarrow.parquet as pq, pandas as pd
+run = sys.argv[1]
+t = pq.read_table(run + "/items", filters=[("arm", "=", "floor")])
+assert t.num_rows == 3, t.num_rows
+assert str(t.schema.field("continuation_ids").type).endswith("list<element: uint32>"), t.schema
+s = pq.read_table(run + "/summary.parquet", filters=[("family", "=", "act_replace")])
+assert s.num_rows == 2, s.num_rows
+df = pd.read_parquet(run + "/items/cell-00000.parquet")
+assert (df[df.arm == "noop"].bit_exact == True).all()
+q = pd.read_parquet(run + "/sample.parquet")
+assert len(q) == 3 and all(len(a) >= 1 for a in q.answers)
+print("ok")
+"#;
+    let o = std::process::Command::new("python3")
+        .args(["-c", script, out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
     );
 }

@@ -11,6 +11,7 @@
 pub mod controls;
 pub mod error;
 pub mod item;
+pub mod pair;
 pub mod prompt;
 pub mod rng;
 pub mod sample;
@@ -21,5 +22,6 @@ pub mod synthetic;
 
 pub use error::{ProbeError, Result};
 pub use item::QaItem;
+pub use pair::ContextPair;
 pub use prompt::Template;
 pub use split::{SplitItem, SplitOptions};

@@ -6,6 +6,7 @@
 
 use crate::error::{ProbeError, Result};
 use crate::item::QaItem;
+use crate::pair::ContextPair;
 use crate::prompt::Template;
 use serde::{Deserialize, Serialize};
 use tolerable_runtime::Tokenizer;
@@ -112,6 +113,26 @@ impl SplitItem {
     /// The passage text as the receiver reads it (after the template prefix).
     pub fn passage_text(&self) -> String {
         format!(" {}", self.item.context)
+    }
+
+    /// The item as the runner consumes it: the masked passage as the base
+    /// context, the full passage as the alternative, the question as the
+    /// suffix and the fact region as the positions of interest.
+    pub fn pair(&self) -> ContextPair {
+        let first = self
+            .fact_region
+            .first()
+            .copied()
+            .unwrap_or(self.full_passage.len());
+        ContextPair {
+            id: self.item.id.clone(),
+            shared: [&self.prefix_ids[..], &self.full_passage[..first]].concat(),
+            base: self.masked_passage[first..].to_vec(),
+            alt: self.full_passage[first..].to_vec(),
+            suffix: self.suffix_ids.clone(),
+            span_start: self.prefix_ids.len(),
+            focus: self.fact_positions(),
+        }
     }
 }
 

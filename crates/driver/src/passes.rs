@@ -1,0 +1,211 @@
+//! The passes of one item that every arm shares: the receiver reading the
+//! base context and the alternative context (the fact-free shared prefix is
+//! read once), the mis-source partners' alternative contexts, and the
+//! question's queries over the native cache. What is captured is declared by
+//! the plan ([`PassNeeds`]); nothing else is kept.
+
+use crate::error::{DriverError, Result};
+use crate::sources::PassRef;
+use candle_core::Tensor;
+use std::collections::{BTreeMap, BTreeSet};
+use tolerable_carrier::Geometry;
+use tolerable_probe::ContextPair;
+use tolerable_runtime::{HookPoint, HookSpec, KvCache, LogitsAt, Model};
+
+/// The receiver's pass over one context (template prefix and passage): its
+/// cache, and its residual stream at the layers arms need.
+#[derive(Debug, Clone)]
+pub struct Pass {
+    /// Keys and values of every context position, batch 1.
+    pub cache: KvCache,
+    /// `blocks.{l}.hook_resid_pre`, `[1, context_len, d_model]`, where needed.
+    pub resid: BTreeMap<usize, Tensor>,
+}
+
+impl Pass {
+    /// The residual stream at the input of block `l`.
+    pub fn resid(&self, l: usize) -> Result<&Tensor> {
+        self.resid.get(&l).ok_or_else(|| {
+            DriverError::Records(format!("internal: residual of layer {l} was not captured"))
+        })
+    }
+}
+
+/// What the plan needs of every item's passes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PassNeeds {
+    /// Residual layers captured on the base (masked) context.
+    pub base_resid: BTreeSet<usize>,
+    /// Residual layers captured on the alternative (full) context.
+    pub alt_resid: BTreeSet<usize>,
+    /// Residual layers captured on the partners' alternative contexts.
+    pub partner_resid: BTreeSet<usize>,
+    /// Mis-source partners read per item.
+    pub partners: usize,
+    /// Layers whose question queries (`hook_rot_q` of the suffix read over
+    /// the native cache) are captured, for attention-logit correlations.
+    pub queries: BTreeSet<usize>,
+}
+
+impl PassNeeds {
+    /// The capture set of a pass.
+    pub fn resid_of(&mut self, pass: PassRef) -> &mut BTreeSet<usize> {
+        match pass {
+            PassRef::ArmBase => &mut self.base_resid,
+            PassRef::Alt => &mut self.alt_resid,
+            PassRef::Partner(_) => &mut self.partner_resid,
+        }
+    }
+}
+
+/// One item's shared passes.
+#[derive(Debug, Clone)]
+pub struct ItemPasses {
+    /// The base (masked) context.
+    pub base: Pass,
+    /// The alternative (full) context.
+    pub alt: Pass,
+    /// The partners' alternative contexts, with their geometry.
+    pub partners: Vec<(Pass, Geometry)>,
+    /// The item's geometry.
+    pub geometry: Geometry,
+    /// Question queries over the native cache, `[1, n_heads, suffix_len, head_dim]` by layer.
+    pub queries: BTreeMap<usize, Tensor>,
+}
+
+/// The layout of a pair's context.
+pub fn geometry(pair: &ContextPair) -> Geometry {
+    Geometry {
+        passage_start: pair.span_start,
+        context_len: pair.base_len(),
+        fact: pair.focus.clone(),
+    }
+}
+
+fn capture(layers: &BTreeSet<usize>) -> HookSpec {
+    HookSpec::new().capture_all(layers.iter().map(|&l| HookPoint::ResidPre(l)))
+}
+
+/// The base and alternative passes of `pair`: the fact-free shared prefix
+/// is read once, then each remainder on top of it.
+pub fn context_passes(
+    model: &Model,
+    pair: &ContextPair,
+    needs: &PassNeeds,
+) -> Result<(Pass, Pass)> {
+    let m = model;
+    let alt = pair.alt_context();
+    let base = pair.base_context();
+    // At least one token remains for each remainder.
+    let shared = pair.shared.len().min(alt.len() - 1).min(base.len() - 1);
+    let union: BTreeSet<usize> = needs.base_resid.union(&needs.alt_resid).copied().collect();
+    let mut prefix = m.new_cache(1);
+    let mut prefix_resid = BTreeMap::new();
+    if shared > 0 {
+        let out = m.forward(
+            &m.tokens(&[alt[..shared].to_vec()])?,
+            &mut prefix,
+            &capture(&union),
+            LogitsAt::None,
+        )?;
+        for &l in &union {
+            prefix_resid.insert(l, out.hooks.require(HookPoint::ResidPre(l))?.clone());
+        }
+    }
+    let rest = |ids: &[u32], need: &BTreeSet<usize>| -> Result<Pass> {
+        let mut cache = prefix.clone();
+        let out = m.forward(
+            &m.tokens(&[ids[shared..].to_vec()])?,
+            &mut cache,
+            &capture(need),
+            LogitsAt::None,
+        )?;
+        let mut resid = BTreeMap::new();
+        for &l in need {
+            let tail = out.hooks.require(HookPoint::ResidPre(l))?;
+            let whole = match prefix_resid.get(&l) {
+                Some(head) => Tensor::cat(&[head, tail], 1)?,
+                None => tail.clone(),
+            };
+            resid.insert(l, whole);
+        }
+        Ok(Pass { cache, resid })
+    };
+    Ok((
+        rest(&base, &needs.base_resid)?,
+        rest(&alt, &needs.alt_resid)?,
+    ))
+}
+
+/// A partner's alternative (full-passage) pass: the mis-source holder.
+pub fn partner_pass(model: &Model, pair: &ContextPair, need: &BTreeSet<usize>) -> Result<Pass> {
+    let m = model;
+    let mut cache = m.new_cache(1);
+    let out = m.forward(
+        &m.tokens(&[pair.alt_context()])?,
+        &mut cache,
+        &capture(need),
+        LogitsAt::None,
+    )?;
+    let mut resid = BTreeMap::new();
+    for &l in need {
+        resid.insert(l, out.hooks.require(HookPoint::ResidPre(l))?.clone());
+    }
+    Ok(Pass { cache, resid })
+}
+
+/// The question's post-RoPE queries at `layers`, read over the native cache
+/// (`alt`): the queries the receiver forms when it has read the passage.
+pub fn question_queries(
+    model: &Model,
+    pair: &ContextPair,
+    alt: &Pass,
+    layers: &BTreeSet<usize>,
+) -> Result<BTreeMap<usize, Tensor>> {
+    if layers.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let mut cache = alt.cache.clone();
+    let spec = HookSpec::new().capture_all(layers.iter().map(|&l| HookPoint::RotQ(l)));
+    let out = model.forward(
+        &model.tokens(std::slice::from_ref(&pair.suffix))?,
+        &mut cache,
+        &spec,
+        LogitsAt::None,
+    )?;
+    let mut q = BTreeMap::new();
+    for &l in layers {
+        q.insert(l, out.hooks.require(HookPoint::RotQ(l))?.clone());
+    }
+    Ok(q)
+}
+
+/// Every pass of one item that the plan needs.
+pub fn item_passes(
+    model: &Model,
+    pair: &ContextPair,
+    partners: &[&ContextPair],
+    needs: &PassNeeds,
+) -> Result<ItemPasses> {
+    let (base, alt) = context_passes(model, pair, needs)?;
+    if partners.len() < needs.partners {
+        return Err(DriverError::Config(format!(
+            "item {}: an arm takes {} other items' states, but {} partners were given",
+            pair.id,
+            needs.partners,
+            partners.len()
+        )));
+    }
+    let mut ps = Vec::with_capacity(needs.partners);
+    for p in partners.iter().take(needs.partners) {
+        ps.push((partner_pass(model, p, &needs.partner_resid)?, geometry(p)));
+    }
+    let queries = question_queries(model, pair, &alt, &needs.queries)?;
+    Ok(ItemPasses {
+        base,
+        alt,
+        partners: ps,
+        geometry: geometry(pair),
+        queries,
+    })
+}

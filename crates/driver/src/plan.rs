@@ -1,0 +1,593 @@
+//! The plan compiler: a config becomes, for one receiver, the passes every
+//! item needs, the resources the arms read, and one program per arm (its
+//! base pass and, per injection, a source, a chain of transforms and a
+//! mechanism at resolved sites). An arm runs if and only if it compiles:
+//! this is the only place that decides whether an arm can apply, and its
+//! errors name the config field at fault.
+
+use crate::arm::{Arm, Base, Expect, Source as SourceSpec};
+use crate::config::{PlannedArm, SweepConfig};
+use crate::error::{DriverError, Result};
+use crate::passes::PassNeeds;
+use crate::resources::{build_order, ResourceSpec};
+use crate::sources::{PassSource, Source};
+use crate::transforms::{BankPick, BankSubstitute, CodebookSnap, Displace, Perturb, Transform};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use tolerable_carrier::{Carrier, LayerSet, Mechanism, Positions};
+use tolerable_runtime::ModelConfig;
+
+/// One injection, compiled: where it acts, where its carrier comes from,
+/// what happens to it on the way, and how it enters.
+#[derive(Debug, Clone)]
+pub struct Step {
+    /// Index of the injection in its arm (seeds perturbations).
+    pub index: usize,
+    /// The carrier.
+    pub carrier: Carrier,
+    /// Layers, resolved and sorted.
+    pub layers: Vec<usize>,
+    /// Destination positions.
+    pub positions: Positions,
+    /// KV heads; `None` = all.
+    pub heads: Option<Vec<usize>>,
+    /// The source provider.
+    pub source: Arc<dyn Source>,
+    /// Transforms, applied in order.
+    pub transforms: Vec<Arc<dyn Transform>>,
+    /// The mechanism.
+    pub mechanism: Mechanism,
+    /// Weight of interpolate and add (1 otherwise).
+    pub alpha: f64,
+    /// Whether the step's attention-logit correlation to the native keys is measured.
+    pub logit_correlation: bool,
+}
+
+/// One arm, compiled.
+#[derive(Debug, Clone)]
+pub struct ArmProgram {
+    /// The arm's index in the config's (expanded) arm list.
+    pub index: usize,
+    /// Its name.
+    pub name: String,
+    /// Its base pass.
+    pub base: Base,
+    /// Residual injections (one restart from the lowest of their layers).
+    pub resid_steps: Vec<Step>,
+    /// Cache edits and appended segments, in order.
+    pub cache_steps: Vec<Step>,
+    /// The per-item bit-exact gate.
+    pub expect: Option<Expect>,
+    /// Resources it reads (by name).
+    pub resources: Vec<String>,
+}
+
+impl ArmProgram {
+    /// Every step, residual first.
+    pub fn steps(&self) -> impl Iterator<Item = &Step> {
+        self.resid_steps.iter().chain(&self.cache_steps)
+    }
+}
+
+/// A compiled sweep.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// One program per arm, in config order.
+    pub programs: Vec<ArmProgram>,
+    /// The passes every item needs.
+    pub needs: PassNeeds,
+    /// Resources the arms read, with their dependencies, in build order.
+    pub resources: Vec<(String, ResourceSpec)>,
+    /// Index of the floor arm.
+    pub floor: usize,
+    /// Index of the native reference arm.
+    pub native: usize,
+}
+
+impl Plan {
+    /// Whether arms read mis-source partners.
+    pub fn needs_partners(&self) -> usize {
+        self.needs.partners
+    }
+}
+
+fn bad(arm: &Arm, field: String, reason: impl Into<String>) -> DriverError {
+    DriverError::Inapplicable {
+        arm: arm.name.clone(),
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// Compiles `cfg` for a receiver of geometry `model` (catalog id
+/// `receiver_id`); `holder_config` reads a named sender's geometry.
+pub fn compile(
+    cfg: &SweepConfig,
+    model: &ModelConfig,
+    receiver_id: &str,
+    holder_config: &dyn Fn(&str) -> Result<ModelConfig>,
+) -> Result<Plan> {
+    for (name, spec) in &cfg.resources {
+        spec.kind()
+            .validate(&format!("[resources.{name}]"), model, &cfg.resources)?;
+    }
+    let mut needs = PassNeeds::default();
+    let mut programs = Vec::with_capacity(cfg.arms.len());
+    // The deepest neighbour asked of each bank: one search per item serves every k.
+    let mut depth: BTreeMap<String, usize> = BTreeMap::new();
+    for pa in &cfg.arms {
+        for inj in &pa.arm.inject {
+            if let SourceSpec::Bank(b) = &inj.source {
+                if let Some(k) = b.neighbour {
+                    let d = depth.entry(b.bank.clone()).or_default();
+                    *d = (*d).max(k);
+                }
+            }
+        }
+    }
+    for (a, pa) in cfg.arms.iter().enumerate() {
+        programs.push(compile_arm(
+            a,
+            pa,
+            cfg,
+            model,
+            receiver_id,
+            holder_config,
+            &depth,
+            &mut needs,
+        )?);
+    }
+    let used: BTreeSet<String> = programs.iter().flat_map(|p| p.resources.clone()).collect();
+    let mut wanted: BTreeSet<String> = BTreeSet::new();
+    let mut stack: Vec<String> = used.into_iter().collect();
+    while let Some(n) = stack.pop() {
+        if wanted.insert(n.clone()) {
+            if let Some(s) = cfg.resources.get(&n) {
+                stack.extend(s.kind().deps());
+            }
+        }
+    }
+    let resources = build_order(&cfg.resources)?
+        .into_iter()
+        .filter(|n| wanted.contains(n))
+        .map(|n| {
+            let s = cfg.resources[&n].clone();
+            (n, s)
+        })
+        .collect();
+    for name in cfg.resources.keys() {
+        if !wanted.contains(name) {
+            tracing::warn!("[resources.{name}] is declared but no arm reads it; it is not built");
+        }
+    }
+    Ok(Plan {
+        programs,
+        needs,
+        resources,
+        floor: cfg.anchor(Base::Masked),
+        native: cfg.anchor(Base::Full),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn compile_arm(
+    a: usize,
+    pa: &PlannedArm,
+    cfg: &SweepConfig,
+    model: &ModelConfig,
+    receiver_id: &str,
+    holder_config: &dyn Fn(&str) -> Result<ModelConfig>,
+    depth: &BTreeMap<String, usize>,
+    needs: &mut PassNeeds,
+) -> Result<ArmProgram> {
+    let arm = &pa.arm;
+    let prefix = match pa.index {
+        Some(i) => format!("arms[{i}]"),
+        None => arm.name.clone(),
+    };
+    if arm.bridge.is_some() {
+        return Err(bad(
+            arm,
+            format!("{prefix}.bridge"),
+            "trained bridges (PROTOCOL §7) are part of the grammar but no bridge resource is built yet",
+        ));
+    }
+    if let Some(h) = &arm.holder {
+        if h.requantize.is_some() {
+            return Err(bad(
+                arm,
+                format!("{prefix}.holder.requantize"),
+                "re-quantized senders are part of the grammar but no sender source is built yet",
+            ));
+        }
+        if let Some(m) = h.model.as_deref().filter(|m| *m != receiver_id) {
+            let sc = holder_config(m)
+                .map_err(|e| bad(arm, format!("{prefix}.holder.model"), e.to_string()))?;
+            let same = sc.n_layers == model.n_layers
+                && sc.n_kv_heads == model.n_kv_heads
+                && sc.head_dim == model.head_dim
+                && sc.d_model == model.d_model;
+            if !same && h.projection.is_none() {
+                return Err(bad(
+                    arm,
+                    format!("{prefix}.holder.projection"),
+                    format!(
+                        "sender `{m}` has cache shape {} layers x {} kv heads x {} head_dim (width {}), the receiver {} x {} x {} (width {}); a sender of another shape needs an explicit projection",
+                        sc.n_layers, sc.n_kv_heads, sc.head_dim, sc.d_model,
+                        model.n_layers, model.n_kv_heads, model.head_dim, model.d_model
+                    ),
+                ));
+            }
+            return Err(bad(
+                arm,
+                format!("{prefix}.holder.model"),
+                "senders with other weights are part of the grammar but no sender source is built yet; the holder is the receiver's own weights",
+            ));
+        }
+        if h.projection.is_some() {
+            return Err(bad(
+                arm,
+                format!("{prefix}.holder.projection"),
+                "a projection needs a sender of another model",
+            ));
+        }
+    }
+    if arm.expect == Some(Expect::Native) && arm.base == Base::Masked && arm.inject.is_empty() {
+        return Err(bad(
+            arm,
+            format!("{prefix}.expect"),
+            "a bare masked pass cannot equal the native reference",
+        ));
+    }
+    let mut appended = false;
+    let mut resid_steps = Vec::new();
+    let mut cache_steps = Vec::new();
+    let mut resources = Vec::new();
+    for (j, inj) in arm.inject.iter().enumerate() {
+        let f = |name: &str| format!("{prefix}.inject[{j}].{name}");
+        let layers = inj.layers.resolve(model.n_layers, &f("layers"))?;
+        if let Some(heads) = &inj.heads {
+            if inj.carrier == Carrier::H {
+                return Err(bad(arm, f("heads"), "the residual carrier h has no heads"));
+            }
+            if let Some(&h) = heads.iter().find(|&&h| h >= model.n_kv_heads) {
+                return Err(bad(
+                    arm,
+                    f("heads"),
+                    format!(
+                        "kv head {h} is out of range for {} kv heads",
+                        model.n_kv_heads
+                    ),
+                ));
+            }
+        }
+        match (inj.mechanism.takes_alpha(), inj.alpha) {
+            (true, None) => {
+                return Err(bad(
+                    arm,
+                    f("alpha"),
+                    format!("`{}` needs a weight `alpha`", inj.mechanism.name()),
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(bad(
+                    arm,
+                    f("alpha"),
+                    format!("`{}` takes no `alpha`", inj.mechanism.name()),
+                ))
+            }
+            (true, Some(x)) if !x.is_finite() => {
+                return Err(bad(arm, f("alpha"), format!("alpha {x} is not finite")))
+            }
+            _ => {}
+        }
+        if inj.mechanism == Mechanism::Append {
+            if inj.carrier != Carrier::Kv {
+                return Err(bad(
+                    arm,
+                    f("carrier"),
+                    "append adds attendable entries and needs both keys and values (`kv`)",
+                ));
+            }
+            if !matches!(inj.positions, Positions::Passage | Positions::All) {
+                return Err(bad(
+                    arm,
+                    f("positions"),
+                    "append takes a contiguous span: `passage` or `all`",
+                ));
+            }
+            if inj.layers != LayerSet::All {
+                return Err(bad(
+                    arm,
+                    f("layers"),
+                    "appended segments are attendable in every layer; `layers` must be `all`",
+                ));
+            }
+            if inj.source_positions.is_some() {
+                return Err(bad(
+                    arm,
+                    f("source_positions"),
+                    "append takes its span as is",
+                ));
+            }
+            appended = true;
+        } else if appended {
+            return Err(bad(
+                arm,
+                f("mechanism"),
+                "slot edits must come before appended segments",
+            ));
+        }
+        let mut transforms: Vec<Arc<dyn Transform>> = Vec::new();
+        if let Some(from) = inj.source_positions {
+            transforms.push(Arc::new(Displace { from }));
+        }
+        let key_only = |what: &str| -> Result<()> {
+            if inj.carrier != Carrier::K {
+                return Err(bad(
+                    arm,
+                    f("carrier"),
+                    format!("{what} substitutes genuine keys: the carrier must be `k`"),
+                ));
+            }
+            if !matches!(inj.mechanism, Mechanism::Replace | Mechanism::Interpolate) {
+                return Err(bad(
+                    arm,
+                    f("mechanism"),
+                    format!("{what} substitutes keys in their slots: `replace` or `interpolate`"),
+                ));
+            }
+            Ok(())
+        };
+        let source: Arc<dyn Source> = match &inj.source {
+            SourceSpec::Own => Arc::new(PassSource::own()),
+            SourceSpec::Native => Arc::new(PassSource::native()),
+            SourceSpec::Holder => Arc::new(PassSource::holder()),
+            SourceSpec::OtherItem => Arc::new(PassSource::other_item()),
+            SourceSpec::Bank(b) => {
+                key_only("a key bank")?;
+                let size = match cfg.resources.get(&b.bank) {
+                    Some(ResourceSpec::KeyBank(s)) => s.size,
+                    Some(_) => {
+                        return Err(bad(
+                            arm,
+                            f("source.bank.bank"),
+                            format!("`{}` is not a key bank", b.bank),
+                        ))
+                    }
+                    None => {
+                        return Err(bad(
+                            arm,
+                            f("source.bank.bank"),
+                            format!(
+                                "no `[resources.{}]` is declared; declare a key bank of that name",
+                                b.bank
+                            ),
+                        ))
+                    }
+                };
+                let pick = match (b.neighbour, b.cosine) {
+                    (Some(k), None) => {
+                        if k == 0 || k > size {
+                            return Err(bad(
+                                arm,
+                                f("source.bank.neighbour"),
+                                format!("neighbour {k} of a bank of {size} keys: need 1 <= k <= {size}"),
+                            ));
+                        }
+                        BankPick::Neighbour {
+                            k,
+                            depth: depth.get(&b.bank).copied().unwrap_or(k),
+                        }
+                    }
+                    (None, Some(c)) => {
+                        if !(c > -1.0 && c <= 1.0) {
+                            return Err(bad(arm, f("source.bank.cosine"), format!("target cosine {c} is not in (-1, 1]")));
+                        }
+                        BankPick::AtCosine(c)
+                    }
+                    _ => {
+                        return Err(bad(
+                            arm,
+                            f("source.bank"),
+                            "name exactly one of `neighbour` (the k-th nearest genuine key) and `cosine` (the genuine key nearest a target cosine)",
+                        ))
+                    }
+                };
+                resources.push(b.bank.clone());
+                transforms.push(Arc::new(BankSubstitute {
+                    bank: b.bank.clone(),
+                    pick,
+                }));
+                Arc::new(PassSource::native())
+            }
+            SourceSpec::Codebook(c) => {
+                key_only("a codebook")?;
+                let spec = match cfg.resources.get(&c.codebook) {
+                    Some(ResourceSpec::Codebook(s)) => s,
+                    Some(_) => {
+                        return Err(bad(
+                            arm,
+                            f("source.codebook.codebook"),
+                            format!("`{}` is not a codebook", c.codebook),
+                        ))
+                    }
+                    None => {
+                        return Err(bad(
+                            arm,
+                            f("source.codebook.codebook"),
+                            format!(
+                                "no `[resources.{}]` is declared; declare a codebook of that name",
+                                c.codebook
+                            ),
+                        ))
+                    }
+                };
+                let bank_size = match cfg.resources.get(&spec.bank) {
+                    Some(ResourceSpec::KeyBank(b)) => b.size,
+                    _ => 0,
+                };
+                tolerable_carrier::codebook::validate(
+                    spec.construction,
+                    spec.size,
+                    bank_size,
+                    model.head_dim,
+                    c.snapping,
+                )
+                .map_err(|e| bad(arm, f("source.codebook.snapping"), e.to_string()))?;
+                resources.push(c.codebook.clone());
+                transforms.push(Arc::new(CodebookSnap {
+                    codebook: c.codebook.clone(),
+                    snapping: c.snapping,
+                }));
+                Arc::new(PassSource::native())
+            }
+            other => {
+                return Err(bad(
+                    arm,
+                    f("source"),
+                    format!(
+                        "source `{}` is part of the grammar but not built yet",
+                        other.name()
+                    ),
+                ))
+            }
+        };
+        if let Some(p) = &inj.perturb {
+            p.validate(&f("perturb"))?;
+            transforms.push(Arc::new(Perturb(p.clone())));
+        }
+        source.needs(arm.base, inj.carrier, &layers, needs);
+        if inj.carrier == Carrier::H {
+            // The base pass is the restart point; the native pass is the fidelity reference.
+            let own = if arm.base == Base::Masked {
+                &mut needs.base_resid
+            } else {
+                &mut needs.alt_resid
+            };
+            own.extend(layers.iter().copied());
+            needs.alt_resid.extend(layers.iter().copied());
+        }
+        let logit_correlation = inj.carrier.has_k()
+            && matches!(inj.mechanism, Mechanism::Replace | Mechanism::Interpolate)
+            && inj.source_positions.is_none();
+        if logit_correlation {
+            needs.queries.extend(layers.iter().copied());
+        }
+        let step = Step {
+            index: j,
+            carrier: inj.carrier,
+            layers,
+            positions: inj.positions,
+            heads: inj.heads.clone(),
+            source,
+            transforms,
+            mechanism: inj.mechanism,
+            alpha: inj.alpha.unwrap_or(1.0),
+            logit_correlation,
+        };
+        if inj.carrier == Carrier::H {
+            resid_steps.push(step);
+        } else {
+            cache_steps.push(step);
+        }
+    }
+    resources.sort();
+    resources.dedup();
+    Ok(ArmProgram {
+        index: a,
+        name: arm.name.clone(),
+        base: arm.base,
+        resid_steps,
+        cache_steps,
+        expect: arm.expect,
+        resources,
+    })
+}
+
+impl Step {
+    /// One line: carrier at sites <- source | transforms -> mechanism.
+    pub fn describe(&self) -> String {
+        let layers = if self.layers.len() > 6 {
+            format!(
+                "{}..={} ({} layers)",
+                self.layers[0],
+                self.layers[self.layers.len() - 1],
+                self.layers.len()
+            )
+        } else {
+            format!("{:?}", self.layers)
+        };
+        let heads = self
+            .heads
+            .as_ref()
+            .map(|h| format!(" heads {h:?}"))
+            .unwrap_or_default();
+        let chain: Vec<String> = std::iter::once(self.source.name().to_string())
+            .chain(self.transforms.iter().map(|t| t.name()))
+            .collect();
+        let alpha = if self.mechanism.takes_alpha() {
+            format!(" alpha={}", self.alpha)
+        } else {
+            String::new()
+        };
+        format!(
+            "{} at layers {layers}, {}{heads} <- {} -> {}{alpha}",
+            self.carrier.name(),
+            self.positions.name(),
+            chain.join(" | "),
+            self.mechanism.name()
+        )
+    }
+}
+
+impl Plan {
+    /// The plan as text: per-item passes, resources (with the status the
+    /// caller supplies), and each arm's program.
+    pub fn describe(&self, resource_status: &BTreeMap<String, String>) -> String {
+        let mut s = String::new();
+        let n = &self.needs;
+        let _ = writeln!(s, "per-item passes:");
+        let _ = writeln!(
+            s,
+            "  base (masked) context, residual captured at {:?}",
+            n.base_resid
+        );
+        let _ = writeln!(s, "  alternative (full) context, residual captured at {:?} (the shared prefix read once for both)", n.alt_resid);
+        if n.partners > 0 {
+            let _ = writeln!(
+                s,
+                "  {} mis-source partner full pass(es), residual at {:?}",
+                n.partners, n.partner_resid
+            );
+        }
+        if !n.queries.is_empty() {
+            let _ = writeln!(
+                s,
+                "  question queries over the native cache at {} layers",
+                n.queries.len()
+            );
+        }
+        let _ = writeln!(s, "resources:");
+        if self.resources.is_empty() {
+            let _ = writeln!(s, "  (none)");
+        }
+        for (name, spec) in &self.resources {
+            let st = resource_status.get(name).cloned().unwrap_or_default();
+            let _ = writeln!(s, "  {name}: {} {st}", spec.kind().describe());
+        }
+        let _ = writeln!(s, "programs ({} arms):", self.programs.len());
+        for p in &self.programs {
+            let _ = write!(s, "  {}: base {}", p.name, p.base.name());
+            if let Some(e) = p.expect {
+                let _ = write!(s, ", expect {e:?}");
+            }
+            let _ = writeln!(s);
+            for st in p.steps() {
+                let _ = writeln!(s, "    {}", st.describe());
+            }
+        }
+        s
+    }
+}

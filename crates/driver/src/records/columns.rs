@@ -1,0 +1,200 @@
+//! Columns declared once: a record struct written with [`record!`] is its
+//! own column table. The same declaration writes rows to a table, reads a
+//! table back into rows, and lists the schema (name, Arrow type, meaning)
+//! that `results/README.md` documents — a snapshot test holds the two equal.
+
+use crate::error::{DriverError, Result};
+use polars::prelude::*;
+
+/// A type that is one or more columns of a record table.
+pub trait Columns: Sized {
+    /// Name, Arrow type and meaning of each column, for a field `name`
+    /// documented as `doc` (a nested record ignores both and lists its own).
+    fn schema(name: &'static str, doc: &'static str) -> Vec<(&'static str, &'static str, String)>;
+    /// The columns of `values` (one per row).
+    fn columns(name: &'static str, values: Vec<Self>) -> Vec<Column>;
+    /// The values of a table's rows.
+    fn read(df: &DataFrame, name: &'static str) -> Result<Vec<Self>>;
+}
+
+fn col<'a>(df: &'a DataFrame, name: &str) -> Result<&'a Column> {
+    df.column(name)
+        .map_err(|_| DriverError::Records(format!("no column `{name}` in the table")))
+}
+
+fn typed<T>(name: &str, r: PolarsResult<T>) -> Result<T> {
+    r.map_err(|e| DriverError::Records(format!("column `{name}`: {e}")))
+}
+
+macro_rules! leaf {
+    ($ty:ty, $arrow:literal, |$n:ident, $v:ident| $make:expr, |$c:ident| $read:expr) => {
+        impl Columns for $ty {
+            fn schema(
+                name: &'static str,
+                doc: &'static str,
+            ) -> Vec<(&'static str, &'static str, String)> {
+                vec![(name, $arrow, doc.trim().to_string())]
+            }
+            fn columns($n: &'static str, $v: Vec<Self>) -> Vec<Column> {
+                vec![$make]
+            }
+            fn read(df: &DataFrame, name: &'static str) -> Result<Vec<Self>> {
+                let $c = col(df, name)?;
+                typed(name, (|| -> PolarsResult<Vec<Self>> { Ok($read) })())
+            }
+        }
+    };
+}
+
+leaf!(String, "string", |n, v| Column::new(n.into(), v), |c| c
+    .str()?
+    .iter()
+    .map(|x| x.unwrap_or_default().to_string())
+    .collect());
+leaf!(
+    Option<String>,
+    "string (nullable)",
+    |n, v| Column::new(n.into(), v),
+    |c| c.str()?.iter().map(|x| x.map(String::from)).collect()
+);
+leaf!(i64, "int64", |n, v| Column::new(n.into(), v), |c| c
+    .i64()?
+    .iter()
+    .map(|x| x.unwrap_or_default())
+    .collect());
+leaf!(
+    Option<i64>,
+    "int64 (nullable)",
+    |n, v| Column::new(n.into(), v),
+    |c| c.i64()?.iter().collect()
+);
+leaf!(f64, "double", |n, v| Column::new(n.into(), v), |c| c
+    .f64()?
+    .iter()
+    .map(|x| x.unwrap_or(f64::NAN))
+    .collect());
+leaf!(
+    Option<f64>,
+    "double (nullable)",
+    |n, v| Column::new(n.into(), v),
+    |c| c.f64()?.iter().collect()
+);
+leaf!(bool, "bool", |n, v| Column::new(n.into(), v), |c| c
+    .bool()?
+    .iter()
+    .map(|x| x.unwrap_or(false))
+    .collect());
+leaf!(
+    Option<bool>,
+    "bool (nullable)",
+    |n, v| Column::new(n.into(), v),
+    |c| c.bool()?.iter().collect()
+);
+leaf!(
+    Vec<u32>,
+    "list<uint32>",
+    |n, v| {
+        let s: Vec<Series> = v.iter().map(|x| Series::new("".into(), x)).collect();
+        Column::new(n.into(), s)
+    },
+    |c| {
+        let lc = c.list()?;
+        let mut out = Vec::with_capacity(lc.len());
+        for i in 0..lc.len() {
+            out.push(match lc.get_as_series(i) {
+                Some(s) => s.u32()?.into_no_null_iter().collect(),
+                None => Vec::new(),
+            });
+        }
+        out
+    }
+);
+leaf!(
+    Vec<String>,
+    "list<string>",
+    |n, v| {
+        let s: Vec<Series> = v.iter().map(|x| Series::new("".into(), x)).collect();
+        Column::new(n.into(), s)
+    },
+    |c| {
+        let lc = c.list()?;
+        let mut out = Vec::with_capacity(lc.len());
+        for i in 0..lc.len() {
+            out.push(match lc.get_as_series(i) {
+                Some(s) => s
+                    .str()?
+                    .iter()
+                    .map(|v| v.unwrap_or_default().to_string())
+                    .collect(),
+                None => Vec::new(),
+            });
+        }
+        out
+    }
+);
+
+/// Declares a record: the struct, and its [`Columns`] implementation in
+/// field order. Every field has a doc comment, which is the column's
+/// documented meaning; a field whose type is itself a record contributes
+/// its own columns (flattened).
+#[macro_export]
+macro_rules! record {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            $( #[doc = $doc:literal] pub $field:ident : $ty:ty ),* $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        pub struct $name {
+            $( #[doc = $doc] pub $field: $ty ),*
+        }
+
+        impl $crate::records::columns::Columns for $name {
+            fn schema(_: &'static str, _: &'static str) -> Vec<(&'static str, &'static str, String)> {
+                let mut out = Vec::new();
+                $( out.extend(<$ty as $crate::records::columns::Columns>::schema(stringify!($field), $doc)); )*
+                out
+            }
+            fn columns(_: &'static str, values: Vec<Self>) -> Vec<polars::prelude::Column> {
+                let mut out = Vec::new();
+                $(
+                    let v: Vec<$ty> = values.iter().map(|r| r.$field.clone()).collect();
+                    out.extend(<$ty as $crate::records::columns::Columns>::columns(stringify!($field), v));
+                )*
+                out
+            }
+            fn read(df: &polars::prelude::DataFrame, _: &'static str) -> $crate::error::Result<Vec<Self>> {
+                $( let mut $field = <$ty as $crate::records::columns::Columns>::read(df, stringify!($field))?.into_iter(); )*
+                let mut out = Vec::with_capacity(df.height());
+                for _ in 0..df.height() {
+                    out.push(Self { $( $field: $field.next().ok_or_else(|| $crate::error::DriverError::Records(format!("column `{}` is short", stringify!($field))))? ),* });
+                }
+                Ok(out)
+            }
+        }
+    };
+}
+
+/// Rows of a record type as a table.
+pub fn frame<T: Columns>(rows: Vec<T>) -> Result<DataFrame> {
+    let n = rows.len();
+    Ok(DataFrame::new(n, T::columns("", rows))?)
+}
+
+/// A table's rows as a record type (columns by name, types checked).
+pub fn rows<T: Columns>(df: &DataFrame) -> Result<Vec<T>> {
+    T::read(df, "")
+}
+
+/// The schema of a record type as a Markdown table.
+pub fn schema_markdown<T: Columns>() -> String {
+    let mut s = String::from("| column | type | meaning |\n| --- | --- | --- |\n");
+    for (name, ty, doc) in T::schema("", "") {
+        s.push_str(&format!(
+            "| `{name}` | {ty} | {} |\n",
+            doc.replace('\n', " ")
+        ));
+    }
+    s
+}

@@ -1,0 +1,160 @@
+//! Comparing the item rows of two runs of the same arms and items (a rerun
+//! at a new revision against a committed run, possibly of an older schema):
+//! every (arm, item) row is matched and its outcome columns compared value
+//! for value. Wall-clock seconds are not compared.
+
+use super::cell_files;
+use super::read_parquet;
+use crate::error::{DriverError, Result};
+use polars::prelude::*;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Outcome columns compared, as both schemas name them.
+pub const COMPARED: &[&str] = &[
+    "continuation",
+    "continuation_ids",
+    "correct",
+    "span_copy",
+    "native_correct",
+    "bit_exact",
+    "n_sites",
+    "prompt_tokens",
+    "fact_tokens",
+    "fidelity_cosine",
+    "achieved_cosine",
+];
+
+/// What a comparison found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Comparison {
+    /// Rows of the first run.
+    pub rows_a: usize,
+    /// Rows of the second run.
+    pub rows_b: usize,
+    /// (arm, item) rows found in both.
+    pub matched: usize,
+    /// Rows of one run without a partner in the other.
+    pub unmatched: usize,
+    /// Per compared column, the rows whose values differ.
+    pub differing: BTreeMap<String, usize>,
+    /// Largest absolute difference of each floating column.
+    pub max_abs_diff: BTreeMap<String, f64>,
+    /// Up to 20 differing rows, described.
+    pub examples: Vec<String>,
+    /// Whether every row matched with equal values in every compared column.
+    pub identical: bool,
+}
+
+/// A column's values as text (lists and numbers in one canonical form), by row.
+fn texts(df: &DataFrame, name: &str) -> Result<Vec<Option<String>>> {
+    let c = df
+        .column(name)
+        .map_err(|_| DriverError::Records(format!("no column `{name}`")))?;
+    let s = c.as_materialized_series();
+    let mut out = Vec::with_capacity(s.len());
+    for i in 0..s.len() {
+        let v = s.get(i).map_err(|e| DriverError::Records(e.to_string()))?;
+        out.push(match v {
+            AnyValue::Null => None,
+            AnyValue::String(x) => Some(x.to_string()),
+            AnyValue::StringOwned(x) => Some(x.to_string()),
+            AnyValue::Boolean(b) => Some(b.to_string()),
+            AnyValue::Int64(x) => Some(x.to_string()),
+            AnyValue::Float64(x) => Some(format!("{:e}", x)),
+            AnyValue::List(l) => Some(
+                (0..l.len())
+                    .map(|j| l.get(j).map(|v| v.to_string()).unwrap_or_default())
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ),
+            other => Some(other.to_string()),
+        });
+    }
+    Ok(out)
+}
+
+type Keyed = BTreeMap<(String, String), BTreeMap<String, Option<String>>>;
+
+fn load(dir: &Path) -> Result<(usize, Keyed)> {
+    let mut out = Keyed::new();
+    let mut n = 0;
+    for f in cell_files(dir)? {
+        let df = read_parquet(&f)?;
+        let arm = texts(&df, "arm")?;
+        let item = texts(&df, "item_id")?;
+        let cols: Vec<(String, Vec<Option<String>>)> = COMPARED
+            .iter()
+            .map(|c| Ok((c.to_string(), texts(&df, c)?)))
+            .collect::<Result<_>>()?;
+        for i in 0..df.height() {
+            n += 1;
+            let key = (
+                arm[i].clone().unwrap_or_default(),
+                item[i].clone().unwrap_or_default(),
+            );
+            out.insert(
+                key,
+                cols.iter()
+                    .map(|(c, v)| (c.clone(), v[i].clone()))
+                    .collect(),
+            );
+        }
+    }
+    if n == 0 {
+        return Err(DriverError::Records(format!(
+            "no item rows under {}",
+            dir.display()
+        )));
+    }
+    Ok((n, out))
+}
+
+/// Compares the item rows of the runs in `a` and `b`.
+pub fn compare_runs(a: &Path, b: &Path) -> Result<Comparison> {
+    let (rows_a, ka) = load(a)?;
+    let (rows_b, kb) = load(b)?;
+    let mut differing: BTreeMap<String, usize> =
+        COMPARED.iter().map(|c| (c.to_string(), 0)).collect();
+    let mut max_abs: BTreeMap<String, f64> = BTreeMap::new();
+    let mut examples = Vec::new();
+    let mut matched = 0;
+    for (key, va) in &ka {
+        let Some(vb) = kb.get(key) else { continue };
+        matched += 1;
+        for c in COMPARED {
+            let (x, y) = (&va[*c], &vb[*c]);
+            if let (Some(x), Some(y)) = (x, y) {
+                if let (Ok(p), Ok(q)) = (x.parse::<f64>(), y.parse::<f64>()) {
+                    if p.is_finite() && q.is_finite() && x.contains('e') {
+                        let d = (p - q).abs();
+                        let m = max_abs.entry(c.to_string()).or_insert(0.0);
+                        *m = m.max(d);
+                    }
+                }
+            }
+            if x != y {
+                *differing.get_mut(*c).unwrap() += 1;
+                if examples.len() < 20 {
+                    examples.push(format!(
+                        "{} on {}: {c} {:?} against {:?}",
+                        key.0, key.1, x, y
+                    ));
+                }
+            }
+        }
+    }
+    let unmatched = (rows_a - matched) + (rows_b - matched);
+    let identical = unmatched == 0 && differing.values().all(|&n| n == 0);
+    Ok(Comparison {
+        rows_a,
+        rows_b,
+        matched,
+        unmatched,
+        differing,
+        max_abs_diff: max_abs,
+        examples,
+        identical,
+    })
+}

@@ -1,0 +1,168 @@
+//! The on-disk cache of built resources, outside any run directory:
+//! `<root>/<kind>-<hash>/value.safetensors` beside `meta.json` (the hash, the
+//! spec, the receiver's sha256, the training item ids and the value file's
+//! sha256). A folder is written under a temporary name and renamed, so a
+//! folder that exists is complete; one whose metadata or checksum does not
+//! match what the run expects is rebuilt, never used.
+
+use super::{ResourceSpec, Value};
+use crate::error::{io, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// What `meta.json` records of a cached resource.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Meta {
+    /// The content hash the folder is named by.
+    pub hash: String,
+    /// The resource's spec.
+    pub spec: ResourceSpec,
+    /// The receiver it was built on.
+    pub model_sha256: String,
+    /// The training items it was fitted on, in order.
+    pub items: Vec<String>,
+    /// sha256 of `value.safetensors`.
+    pub value_sha256: String,
+    /// Seconds the build took.
+    pub build_seconds: f64,
+}
+
+/// How a resource was obtained in this run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Obtained {
+    /// Loaded from the cache.
+    Cached,
+    /// Built now (absent before).
+    Built,
+    /// Built now because the cached copy did not match (named in the log).
+    Rebuilt,
+}
+
+/// The resource cache.
+#[derive(Debug, Clone)]
+pub struct Store {
+    root: PathBuf,
+}
+
+/// sha256 of a file, hex.
+pub fn file_sha256(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(io(format!("reading {}", path.display())))?;
+    let mut h = Sha256::new();
+    h.update(&bytes);
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+impl Store {
+    /// A cache rooted at `root` (usually `<tolerable cache>/resources`).
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    /// The default cache: `resources/` under the model cache root
+    /// (`$TOLERABLE_CACHE`, else `~/.cache/tolerable`).
+    pub fn default_root() -> PathBuf {
+        tolerable_fetch::catalog::cache_root().join("resources")
+    }
+
+    /// The folder of a resource of `kind` and `hash`.
+    pub fn folder(&self, kind: &str, hash: &str) -> PathBuf {
+        self.root.join(format!("{kind}-{hash}"))
+    }
+
+    /// Whether a usable copy exists (metadata matches, checksum not checked).
+    pub fn is_cached(&self, kind: &str, hash: &str) -> bool {
+        let meta = self.folder(kind, hash).join("meta.json");
+        std::fs::read_to_string(meta)
+            .ok()
+            .and_then(|t| serde_json::from_str::<Meta>(&t).ok())
+            .is_some_and(|m| m.hash == hash)
+    }
+
+    /// The cached value of `spec` with `hash`, or why it cannot be used
+    /// (`Ok(Err(reason))`; absent folders give `Ok(Err("absent"))`).
+    pub fn load(
+        &self,
+        spec: &ResourceSpec,
+        hash: &str,
+        model_sha256: &str,
+    ) -> Result<std::result::Result<(Value, Meta), String>> {
+        let kind = spec.kind();
+        let dir = self.folder(kind.kind(), hash);
+        let meta_path = dir.join("meta.json");
+        if !meta_path.exists() {
+            return Ok(Err("absent".into()));
+        }
+        let meta: Meta = match std::fs::read_to_string(&meta_path)
+            .map_err(|e| e.to_string())
+            .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+        {
+            Ok(m) => m,
+            Err(e) => return Ok(Err(format!("{} is unreadable ({e})", meta_path.display()))),
+        };
+        if meta.hash != hash || &meta.spec != spec {
+            return Ok(Err(format!(
+                "{} records hash {} and another spec",
+                meta_path.display(),
+                meta.hash
+            )));
+        }
+        if meta.model_sha256 != model_sha256 {
+            return Ok(Err(format!(
+                "{} was built for model {}, this receiver is {model_sha256}",
+                meta_path.display(),
+                meta.model_sha256
+            )));
+        }
+        let value_path = dir.join("value.safetensors");
+        let sum = match file_sha256(&value_path) {
+            Ok(s) => s,
+            Err(e) => return Ok(Err(e.to_string())),
+        };
+        if sum != meta.value_sha256 {
+            return Ok(Err(format!(
+                "{} does not match its recorded checksum",
+                value_path.display()
+            )));
+        }
+        match kind.load(&value_path) {
+            Ok(v) => Ok(Ok((v, meta))),
+            Err(e) => Ok(Err(format!("{}: {e}", value_path.display()))),
+        }
+    }
+
+    /// Saves a built value atomically (a temporary folder, then a rename).
+    pub fn save(&self, value: &Value, meta: &Meta) -> Result<()> {
+        let kind = meta.spec.kind();
+        let dir = self.folder(kind.kind(), &meta.hash);
+        std::fs::create_dir_all(&self.root)
+            .map_err(io(format!("creating {}", self.root.display())))?;
+        let tmp = self.root.join(format!(
+            ".{}-{}.tmp-{}",
+            kind.kind(),
+            meta.hash,
+            std::process::id()
+        ));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(io(format!("removing {}", tmp.display())))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(io(format!("creating {}", tmp.display())))?;
+        let value_path = tmp.join("value.safetensors");
+        kind.save(value, &value_path)?;
+        let mut meta = meta.clone();
+        meta.value_sha256 = file_sha256(&value_path)?;
+        let text = serde_json::to_string_pretty(&meta).unwrap_or_default();
+        std::fs::write(tmp.join("meta.json"), text)
+            .map_err(io(format!("writing {}", tmp.join("meta.json").display())))?;
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(io(format!("removing {}", dir.display())))?;
+        }
+        std::fs::rename(&tmp, &dir).map_err(io(format!(
+            "renaming {} to {}",
+            tmp.display(),
+            dir.display()
+        )))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,418 @@
+//! Transforms: what happens to a source's carrier value between the source
+//! and the mechanism, chained in order — displacement to other positions,
+//! perturbations (cosine-calibrated noise, sparse damage, integer round
+//! trips), and substitution of genuine keys from a bank or a codebook.
+//! Each acts only at the injection's sites (layers, positions, kv heads);
+//! everything else passes through bit for bit.
+
+use crate::error::{DriverError, Result};
+use crate::resources::bank::downcast;
+use crate::resources::{CodebookSet, KeyBank, Value};
+use crate::sources::CarrierValue;
+use candle_core::{Device, Tensor};
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::rc::Rc;
+use tolerable_carrier::codebook::Snapping;
+use tolerable_carrier::fidelity::site_cosine;
+use tolerable_carrier::{Carrier, Geometry, Perturbation, Positions};
+use tolerable_runtime::hooks::site_mask;
+
+/// Work shared by the arms of one item (e.g. a bank's neighbours of the
+/// true keys, computed once for every k), keyed by a description of it.
+#[derive(Default)]
+pub struct Memo {
+    cells: RefCell<HashMap<String, Rc<dyn Any>>>,
+}
+
+impl Memo {
+    /// The value under `key`, computed by `make` the first time.
+    pub fn get_or<T: 'static>(&self, key: &str, make: impl FnOnce() -> Result<T>) -> Result<Rc<T>> {
+        if let Some(v) = self.cells.borrow().get(key) {
+            if let Ok(t) = v.clone().downcast::<T>() {
+                return Ok(t);
+            }
+        }
+        let v = Rc::new(make()?);
+        self.cells
+            .borrow_mut()
+            .insert(key.to_string(), v.clone() as Rc<dyn Any>);
+        Ok(v)
+    }
+}
+
+/// Where and for whom a transform runs: the injection's sites on this item,
+/// the seed parts of perturbations, the run's resources, the item's memo.
+pub struct TransformCx<'a> {
+    /// The carrier of the injection.
+    pub carrier: Carrier,
+    /// Its layers.
+    pub layers: &'a [usize],
+    /// Destination sites (context positions), restricted to those the source holds.
+    pub sites: &'a [usize],
+    /// The injection's position set (for displacement).
+    pub positions: Positions,
+    /// The item's geometry.
+    pub geometry: &'a Geometry,
+    /// The geometry of the context the source was read from.
+    pub source_geometry: &'a Geometry,
+    /// KV heads (KV carriers), `None` = all.
+    pub heads: Option<&'a [usize]>,
+    /// Seeds a perturbation at (layer, which: 0 residual, 1 keys, 2 values).
+    pub seed_of: &'a dyn Fn(usize, u64) -> u64,
+    /// The run's resources by name.
+    pub resources: &'a BTreeMap<String, Value>,
+    /// The item's shared work.
+    pub memo: &'a Memo,
+    /// The source and the transforms before this one (keys shared work:
+    /// two arms share a bank search only when they search the same keys).
+    pub chain: &'a str,
+}
+
+/// What a transform measured: the cosine of its output to its input at the
+/// sites, once per layer (and per keys / values).
+pub type Achieved = Vec<f64>;
+
+/// One step of the chain between source and mechanism.
+pub trait Transform: fmt::Debug + Send + Sync {
+    /// Name in plans and records.
+    fn name(&self) -> String;
+    /// Resources it reads.
+    fn resources(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Applies the transform at the sites.
+    fn apply(&self, value: CarrierValue, cx: &TransformCx) -> Result<(CarrierValue, Achieved)>;
+    /// The destination sites after this transform (displacement may shorten them).
+    fn sites(&self, sites: Vec<usize>, _cx: &TransformCx) -> Vec<usize> {
+        sites
+    }
+}
+
+/// A perturbation of the source (PROTOCOL §5): noise, damage, quantization.
+#[derive(Debug, Clone)]
+pub struct Perturb(pub Perturbation);
+
+impl Transform for Perturb {
+    fn name(&self) -> String {
+        match self.0.target_cosine() {
+            Some(c) => format!("{}({c})", self.0.name()),
+            None => self.0.name().to_string(),
+        }
+    }
+
+    fn apply(&self, value: CarrierValue, cx: &TransformCx) -> Result<(CarrierValue, Achieved)> {
+        let mut ach = Vec::new();
+        match value {
+            CarrierValue::Resid(mut m) => {
+                for &l in cx.layers {
+                    let src = m.get(&l).ok_or_else(|| {
+                        DriverError::Records(format!("internal: no residual at layer {l}"))
+                    })?;
+                    let mask = site_mask(src.dims(), Some((1, cx.sites)), None, src.device())?;
+                    let pert = self.0.apply(src, Some(&mask), (cx.seed_of)(l, 0))?;
+                    ach.push(site_cosine(&pert, src, 1, cx.sites)?);
+                    m.insert(l, pert);
+                }
+                Ok((CarrierValue::Resid(m), ach))
+            }
+            CarrierValue::Kv(mut src) => {
+                for &l in cx.layers {
+                    let kv = src.require_layer(l)?.clone();
+                    let mut one = |t: &Tensor, which: u64| -> Result<Tensor> {
+                        let live: Vec<usize> = cx
+                            .sites
+                            .iter()
+                            .copied()
+                            .filter(|&s| s < t.dims()[2])
+                            .collect();
+                        let mask = site_mask(
+                            t.dims(),
+                            Some((2, &live)),
+                            cx.heads.map(|h| (1, h)),
+                            t.device(),
+                        )?;
+                        let out = self.0.apply(t, Some(&mask), (cx.seed_of)(l, which))?;
+                        ach.push(site_cosine(&out, t, 2, &live)?);
+                        Ok(out)
+                    };
+                    let k = if cx.carrier.has_k() {
+                        one(&kv.k, 1)?
+                    } else {
+                        kv.k.clone()
+                    };
+                    let v = if cx.carrier.has_v() {
+                        one(&kv.v, 2)?
+                    } else {
+                        kv.v.clone()
+                    };
+                    src.set_layer(l, k, v)?;
+                }
+                Ok((CarrierValue::Kv(src), ach))
+            }
+        }
+    }
+}
+
+/// The source read at other positions (`source_positions`) and written at
+/// the injection's: the displaced control's right content in the wrong
+/// place. Source and destination sites pair in order; the shorter list
+/// decides how many move.
+#[derive(Debug, Clone)]
+pub struct Displace {
+    /// Where the source is read.
+    pub from: Positions,
+}
+
+impl Displace {
+    fn pairs(&self, sites: &[usize], cx: &TransformCx) -> Vec<(usize, usize)> {
+        let from = self.from.resolve(cx.source_geometry);
+        from.into_iter().zip(sites.iter().copied()).collect()
+    }
+}
+
+/// `t` with, along `axis`, row `dst` replaced by row `src` for each pair.
+fn move_rows(t: &Tensor, axis: usize, pairs: &[(usize, usize)]) -> Result<Tensor> {
+    if pairs.is_empty() {
+        return Ok(t.clone());
+    }
+    let n = t.dims()[axis];
+    let mut index: Vec<u32> = (0..n as u32).collect();
+    for &(src, dst) in pairs {
+        if src >= n || dst >= n {
+            return Err(DriverError::Records(format!(
+                "displacement {src} -> {dst} outside {n} positions"
+            )));
+        }
+        index[dst] = src as u32;
+    }
+    let idx = Tensor::from_vec(index, n, t.device())?;
+    Ok(t.contiguous()?.index_select(&idx, axis)?)
+}
+
+impl Transform for Displace {
+    fn name(&self) -> String {
+        format!("displace(from {})", self.from.name())
+    }
+
+    fn sites(&self, sites: Vec<usize>, cx: &TransformCx) -> Vec<usize> {
+        let n = self.from.resolve(cx.source_geometry).len();
+        sites.into_iter().take(n).collect()
+    }
+
+    fn apply(&self, value: CarrierValue, cx: &TransformCx) -> Result<(CarrierValue, Achieved)> {
+        let pairs = self.pairs(cx.sites, cx);
+        Ok((
+            match value {
+                CarrierValue::Resid(m) => CarrierValue::Resid(
+                    m.into_iter()
+                        .map(|(l, t)| Ok((l, move_rows(&t, 1, &pairs)?)))
+                        .collect::<Result<_>>()?,
+                ),
+                CarrierValue::Kv(mut c) => {
+                    for &l in cx.layers {
+                        let kv = c.require_layer(l)?.clone();
+                        c.set_layer(
+                            l,
+                            move_rows(&kv.k, 2, &pairs)?,
+                            move_rows(&kv.v, 2, &pairs)?,
+                        )?;
+                    }
+                    CarrierValue::Kv(c)
+                }
+            },
+            Vec::new(),
+        ))
+    }
+}
+
+/// How a bank chooses the genuine key that stands in for a true key.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BankPick {
+    /// The k-th nearest by cosine (1 = nearest); `depth` neighbours are
+    /// searched once per item and shared by every k.
+    Neighbour {
+        /// Which neighbour.
+        k: usize,
+        /// How many the search keeps (the largest k of the run on this bank).
+        depth: usize,
+    },
+    /// The genuine key whose cosine to the true key is nearest `target`.
+    AtCosine(f64),
+}
+
+/// Substitution of genuine keys (PROTOCOL §5, key bank): each true key at
+/// the sites replaced by a key of the bank.
+#[derive(Debug, Clone)]
+pub struct BankSubstitute {
+    /// The bank's resource name.
+    pub bank: String,
+    /// Which genuine key.
+    pub pick: BankPick,
+}
+
+/// Codebook reconstruction (PROTOCOL §5): each true key at the sites snapped
+/// to a codebook fitted on a bank.
+#[derive(Debug, Clone)]
+pub struct CodebookSnap {
+    /// The codebook's resource name.
+    pub codebook: String,
+    /// The snapping rule.
+    pub snapping: Snapping,
+}
+
+/// Replaces, in keys `k` `[1, n_kv, T, hd]`, the rows at `sites` of every
+/// selected head with `rows(l, head, true_rows)` and returns the new keys
+/// and the per-vector cosines of new to true rows.
+fn substitute_keys(
+    k: &Tensor,
+    sites: &[usize],
+    heads: Option<&[usize]>,
+    mut rows: impl FnMut(usize, &Tensor) -> Result<Tensor>,
+) -> Result<(Tensor, Vec<f64>)> {
+    let (_, nkv, t, hd) = k.dims4()?;
+    let live: Vec<usize> = sites.iter().copied().filter(|&s| s < t).collect();
+    if live.is_empty() {
+        return Ok((k.clone(), Vec::new()));
+    }
+    let mut data: Vec<f32> = k.flatten_all()?.to_vec1()?;
+    let idx = Tensor::from_vec(
+        live.iter().map(|&s| s as u32).collect::<Vec<_>>(),
+        live.len(),
+        &Device::Cpu,
+    )?;
+    let mut cos = Vec::new();
+    for h in 0..nkv {
+        if heads.is_some_and(|hs| !hs.contains(&h)) {
+            continue;
+        }
+        let truth = k
+            .narrow(1, h, 1)?
+            .squeeze(0)?
+            .squeeze(0)?
+            .contiguous()?
+            .index_select(&idx, 0)?; // [n, hd]
+        let new = rows(h, &truth)?;
+        let new_v: Vec<Vec<f32>> = new.to_vec2()?;
+        let true_v: Vec<Vec<f32>> = truth.to_vec2()?;
+        for (i, &s) in live.iter().enumerate() {
+            let at = (h * t + s) * hd;
+            data[at..at + hd].copy_from_slice(&new_v[i]);
+            cos.push(vec_cos(&new_v[i], &true_v[i]));
+        }
+    }
+    Ok((Tensor::from_vec(data, k.dims(), k.device())?, cos))
+}
+
+fn vec_cos(a: &[f32], b: &[f32]) -> f64 {
+    let (mut d, mut na, mut nb) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        d += *x as f64 * *y as f64;
+        na += (*x as f64).powi(2);
+        nb += (*y as f64).powi(2);
+    }
+    if na > 0.0 && nb > 0.0 {
+        d / (na.sqrt() * nb.sqrt())
+    } else if na == nb {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+fn sites_key(sites: &[usize]) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    sites.hash(&mut h);
+    format!("{}:{:x}", sites.len(), h.finish())
+}
+
+fn resource<'a>(cx: &'a TransformCx, name: &str) -> Result<&'a Value> {
+    cx.resources
+        .get(name)
+        .ok_or_else(|| DriverError::Records(format!("internal: resource `{name}` was not built")))
+}
+
+/// Keys of a KV value with the transform applied per layer; values untouched.
+fn map_keys(
+    value: CarrierValue,
+    cx: &TransformCx,
+    mut per_layer: impl FnMut(usize, &Tensor) -> Result<(Tensor, Vec<f64>)>,
+) -> Result<(CarrierValue, Achieved)> {
+    let mut c = match value {
+        CarrierValue::Kv(c) => c,
+        CarrierValue::Resid(_) => {
+            return Err(DriverError::Records(
+                "internal: a key substitution on the residual carrier".into(),
+            ))
+        }
+    };
+    let mut ach = Vec::new();
+    for &l in cx.layers {
+        let kv = c.require_layer(l)?.clone();
+        let (k, cos) = per_layer(l, &kv.k)?;
+        if !cos.is_empty() {
+            ach.push(cos.iter().sum::<f64>() / cos.len() as f64);
+        }
+        c.set_layer(l, k, kv.v)?;
+    }
+    Ok((CarrierValue::Kv(c), ach))
+}
+
+impl Transform for BankSubstitute {
+    fn name(&self) -> String {
+        match self.pick {
+            BankPick::Neighbour { k, .. } => format!("bank({}, neighbour {k})", self.bank),
+            BankPick::AtCosine(c) => format!("bank({}, cosine {c})", self.bank),
+        }
+    }
+
+    fn resources(&self) -> Vec<String> {
+        vec![self.bank.clone()]
+    }
+
+    fn apply(&self, value: CarrierValue, cx: &TransformCx) -> Result<(CarrierValue, Achieved)> {
+        let bank = downcast::<KeyBank>(resource(cx, &self.bank)?, "key bank")?;
+        let skey = sites_key(cx.sites);
+        map_keys(value, cx, |l, k| {
+            substitute_keys(k, cx.sites, cx.heads, |h, truth| {
+                let b = bank.at(l, h)?;
+                match self.pick {
+                    BankPick::Neighbour { k, depth } => {
+                        let key = format!("bank:{}:{}:{l}:{h}:{skey}:{depth}", self.bank, cx.chain);
+                        let nb = cx.memo.get_or(&key, || {
+                            Ok(tolerable_carrier::bank::top_k_cosine(truth, b, depth)?)
+                        })?;
+                        let (idx, _) = nb.rank(k - 1);
+                        Ok(tolerable_carrier::bank::gather_rows(b, &idx)?)
+                    }
+                    BankPick::AtCosine(target) => {
+                        let (idx, _) = tolerable_carrier::bank::at_target_cosine(truth, b, target)?;
+                        Ok(tolerable_carrier::bank::gather_rows(b, &idx)?)
+                    }
+                }
+            })
+        })
+    }
+}
+
+impl Transform for CodebookSnap {
+    fn name(&self) -> String {
+        format!("codebook({}, {})", self.codebook, self.snapping.name())
+    }
+
+    fn resources(&self) -> Vec<String> {
+        vec![self.codebook.clone()]
+    }
+
+    fn apply(&self, value: CarrierValue, cx: &TransformCx) -> Result<(CarrierValue, Achieved)> {
+        let set = downcast::<CodebookSet>(resource(cx, &self.codebook)?, "codebook")?;
+        map_keys(value, cx, |l, k| {
+            substitute_keys(k, cx.sites, cx.heads, |h, truth| {
+                Ok(set.at(l, h)?.snap(truth, self.snapping)?)
+            })
+        })
+    }
+}
