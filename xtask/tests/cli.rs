@@ -330,6 +330,13 @@ fn bad_sweep_configs_fail_before_any_work_naming_the_field() {
     let e =
         run("[run]\nname = \"bad\"\n[data]\nsource = \"synthetic\"\nn = 2\n[[arms]]\nname = 3\n");
     assert!(e.contains("name"), "{e}");
+    // A grid point out of range on an arm with controls names the layer, not
+    // the control family that lacks that point.
+    let e = run(&format!("{head}[[arms]]\nname = \"a\"\ncontrols = [\"c\"]\ninject = {{ carrier = \"h\", source = \"holder\" }}\ngrid = {{ layers = [1, 7] }}\n[[arms]]\nname = \"c\"\ninject = {{ carrier = \"h\", source = \"own\" }}\ngrid = {{ layers = [1] }}\n"));
+    assert!(
+        e.contains("arms[0].inject[0].layers") && e.contains("layer 7"),
+        "{e}"
+    );
     assert!(!out.exists(), "a failed config wrote {}", out.display());
 }
 
@@ -395,4 +402,53 @@ fn a_dry_run_prints_the_plan_and_writes_nothing_and_merge_refuses_an_unfinished_
         "{e}"
     );
     assert!(!run.join("summary.parquet").exists());
+}
+
+#[test]
+fn an_unusable_output_folder_fails_before_the_model_loads_and_progress_is_logged_off_a_terminal() {
+    let (dir, model) = tiny_model();
+    let cfg = sweep_config(dir.path(), &model, 2);
+    // An output folder that cannot be created (a file stands in the way).
+    let blocker = dir.path().join("file");
+    std::fs::write(&blocker, "x").unwrap();
+    let out = blocker.join("run");
+    let o = xtask()
+        .args([
+            "sweep",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("cannot be created") && e.contains("run"), "{e}");
+    assert!(
+        !e.contains("loaded") && !e.contains("gates"),
+        "the model loaded first:\n{e}"
+    );
+    // Off a terminal, the gates and every finished cell log a line.
+    let out = dir.path().join("ok");
+    let o = xtask()
+        .args([
+            "sweep",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    for want in [
+        "gates: parity prompt 1/",
+        "gates: identity done",
+        "cell 0 written",
+        "cell 1 written: 2/2 items",
+    ] {
+        assert!(e.contains(want), "{want} missing from:\n{e}");
+    }
 }

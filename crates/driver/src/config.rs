@@ -258,8 +258,17 @@ impl SweepConfig {
             resources,
             arms,
         };
+        // Control names must name an arm or a family; which arm at each grid
+        // point is resolved by the plan compiler, after the arms' own fields.
         for a in &cfg.arms {
-            cfg.controls_of(a)?;
+            for c in &a.arm.controls {
+                if !cfg.arms.iter().any(|b| &b.arm.name == c || &b.family == c) {
+                    return Err(cfg_err(format!(
+                        "arm `{}`: control `{c}` names no arm or arm family",
+                        a.arm.name
+                    )));
+                }
+            }
         }
         Ok(cfg)
     }

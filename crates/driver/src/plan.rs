@@ -138,6 +138,10 @@ pub fn compile(
             &mut needs,
         )?);
     }
+    // Controls resolve at each arm's grid point once every arm applies.
+    for pa in &cfg.arms {
+        cfg.controls_of(pa)?;
+    }
     let used: BTreeSet<String> = programs.iter().flat_map(|p| p.resources.clone()).collect();
     let mut wanted: BTreeSet<String> = BTreeSet::new();
     let mut stack: Vec<String> = used.into_iter().collect();

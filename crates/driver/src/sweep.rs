@@ -84,6 +84,8 @@ fn header(id: &str) -> Result<(ModelConfig, Tokenizer, PathBuf)> {
     ))
 }
 
+/// The git revision of the working tree, `-dirty` when tracked files
+/// outside `results/` have changes.
 fn git_revision() -> String {
     let run = |args: &[&str]| {
         std::process::Command::new("git")
@@ -95,8 +97,17 @@ fn git_revision() -> String {
     };
     match run(&["rev-parse", "HEAD"]) {
         Some(rev) => {
-            let dirty = run(&["status", "--porcelain", "--untracked-files=no"])
-                .is_some_and(|s| !s.is_empty());
+            // Results are outputs, not code: changes under results/ do not
+            // make the revision dirty.
+            let dirty = run(&[
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":(exclude)results",
+            ])
+            .is_some_and(|s| !s.is_empty());
             if dirty {
                 format!("{rev}-dirty")
             } else {
@@ -175,9 +186,16 @@ fn check_out_dir(dir: &Path, hash: &str) -> Result<()> {
     Ok(())
 }
 
+/// Bytes a run's records need, generously: item rows of about 1 KiB each
+/// (zstd makes them smaller), twice over for the temporary copies, plus the
+/// summary, the sample table and run.json.
+pub fn bytes_needed(items: usize, arms: usize) -> u64 {
+    (items * arms) as u64 * 2048 + 16 * 1024 * 1024
+}
+
 /// Checks, before anything expensive, that the output folder can be
-/// created and written.
-fn check_writable(dir: &Path) -> Result<()> {
+/// created and written and that its file system has room for the records.
+fn check_writable(dir: &Path, need: u64) -> Result<()> {
     let unusable = |reason: String| DriverError::OutDir {
         dir: dir.display().to_string(),
         reason,
@@ -187,6 +205,15 @@ fn check_writable(dir: &Path) -> Result<()> {
     let probe = dir.join(format!(".write-check-{}", std::process::id()));
     std::fs::write(&probe, b"tolerable").map_err(|e| unusable(format!("is not writable ({e})")))?;
     let _ = std::fs::remove_file(&probe);
+    if let Ok(free) = fs4::available_space(dir) {
+        if free < need {
+            return Err(unusable(format!(
+                "has {:.1} MiB free; the run's records need about {:.1} MiB",
+                free as f64 / 1048576.0,
+                need as f64 / 1048576.0
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -472,7 +499,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     // Every arm must compile, and the folder must be writable, before the model loads.
     let (mcfg, _, _) = header(&cfg.run.model)?;
     let plan = compile(&cfg, &mcfg, &cfg.run.model, &model_config_of)?;
-    check_writable(&dir)?;
+    check_writable(&dir, bytes_needed(cfg.data.n, cfg.arms.len()))?;
     let t_load = Instant::now();
     let ck = tolerable_fetch::load(&cfg.run.model, precision, &candle_core::Device::Cpu)?;
     tracing::info!(

@@ -16,14 +16,6 @@ pub enum ProbeError {
     /// A dataset with no usable item.
     #[error("dataset {0} holds no answerable question")]
     EmptyDataset(PathBuf),
-    /// An item whose gold answer does not occur in its passage.
-    #[error("item {id}: no gold answer occurs in the passage (answers: {answers:?})")]
-    AnswerNotInPassage {
-        /// The item.
-        id: String,
-        /// Its gold answers.
-        answers: Vec<String>,
-    },
     /// More items asked for than the data holds after filtering.
     #[error("asked for {asked} items, but only {available} are available after filtering ({why})")]
     NotEnoughItems {

@@ -53,6 +53,9 @@ pub enum DropReason {
     TooLong,
     /// Masking changed no token.
     EmptyFactRegion,
+    /// No gold answer occurs in the passage (a data error: the item cannot
+    /// be masked), counted like the other drops rather than stopping the run.
+    AnswerNotInPassage,
 }
 
 /// An item ready for the split-context probe: aligned token ids.
@@ -208,8 +211,8 @@ fn contains_ci(hay: &str, needle: &str) -> bool {
 }
 
 impl SplitItem {
-    /// Builds the split item of `item`, or says why it is dropped. An item
-    /// none of whose answers occurs in its passage is an error.
+    /// Builds the split item of `item`, or says why it is dropped (an item
+    /// none of whose answers occurs in its passage is dropped too).
     pub fn build(item: &QaItem, tokenizer: &Tokenizer, opts: &SplitOptions) -> Result<Built> {
         let filler = tokenizer.encode_fragment(&opts.filler)?;
         let [filler_id] = filler[..] else {
@@ -225,10 +228,7 @@ impl SplitItem {
         let passage = format!(" {}", item.context);
         let spans = answer_spans(&passage, &item.answers);
         if spans.is_empty() {
-            return Err(ProbeError::AnswerNotInPassage {
-                id: item.id.clone(),
-                answers: item.answers.clone(),
-            });
+            return Ok(Built::Dropped(DropReason::AnswerNotInPassage));
         }
         let mut full = Vec::new();
         let mut masked = Vec::new();

@@ -68,6 +68,17 @@ pub struct ParityReport {
 /// Compares `ck`'s forward with candle-transformers' model of the same GGUF
 /// file on `prompts`, `n_new` greedy tokens each.
 pub fn parity(ck: &Checkpoint, prompts: &[String], n_new: usize) -> Result<ParityReport> {
+    parity_with_progress(ck, prompts, n_new, &mut |_, _| {})
+}
+
+/// As [`parity`], calling `done(k, n)` after each of the `n` prompts (for a
+/// progress display: the gate takes about a minute on the 0.5B).
+pub fn parity_with_progress(
+    ck: &Checkpoint,
+    prompts: &[String],
+    n_new: usize,
+    done: &mut dyn FnMut(usize, usize),
+) -> Result<ParityReport> {
     let model = &ck.model;
     let mut reference = Reference::load(&ck.path, model.precision(), model.device())?;
     let mut out = Vec::new();
@@ -104,6 +115,7 @@ pub fn parity(ck: &Checkpoint, prompts: &[String], n_new: usize) -> Result<Parit
             ours,
             reference: reference_text,
         });
+        done(out.len(), prompts.len());
     }
     let passed = match model.precision() {
         Precision::F32 => out

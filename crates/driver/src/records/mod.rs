@@ -295,7 +295,13 @@ mod tests {
         let p = dir.path().join("x.parquet");
         write_rows(vec![row.clone(), row.clone()], &p).unwrap();
         let back: Vec<ItemRow> = columns::rows(&read_parquet(&p).unwrap()).unwrap();
-        assert_eq!(back, vec![row.clone(), row]);
+        assert_eq!(back, vec![row.clone(), row.clone()]);
         assert!(!dir.path().join(".x.parquet.tmp").exists());
+        // A write that fails names the file and leaves neither it nor a temporary.
+        std::fs::create_dir(dir.path().join(".y.parquet.tmp")).unwrap();
+        let y = dir.path().join("y.parquet");
+        let e = write_rows(vec![row], &y).unwrap_err().to_string();
+        assert!(e.contains(".y.parquet.tmp"), "{e}");
+        assert!(!y.exists());
     }
 }
