@@ -208,6 +208,7 @@ pub fn bank(
             split: &split,
             data: &data,
             eval: &eval,
+            field: "[resources.bank]".into(),
         },
         model: &ck.model,
         deps: &deps,

@@ -83,6 +83,7 @@ pub fn run(a: SweepArgs) -> Result<()> {
     // A catalog model that is not cached yet is fetched first.
     let cfg = sweep::load_config(&a.config, &opts)?;
     if !a.merge
+        && !a.dry_run
         && catalog::spec(&cfg.run.model).is_ok()
         && catalog::cached(&cfg.run.model)?.is_none()
     {

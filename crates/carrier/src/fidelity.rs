@@ -64,7 +64,8 @@ pub fn mean_vector_cosine(
 /// every batch row) against the keys at `sites` are computed with the true
 /// and with the substituted keys; the Pearson correlation of the two sets,
 /// pooled over all (query, site) pairs of that kv head, is taken, and the
-/// mean over kv heads returned. The 1/√hd scale does not change it.
+/// mean over kv heads returned (over `heads` only, when given: the heads an
+/// arm substituted). The 1/√hd scale does not change it.
 ///
 /// Conventions: a kv head whose two logit sets are both constant counts 1.0
 /// if they are identical and 0.0 otherwise, and so does one where only one
@@ -75,6 +76,7 @@ pub fn logit_correlation(
     true_keys: &Tensor,
     sub_keys: &Tensor,
     sites: &[usize],
+    heads: Option<&[usize]>,
 ) -> Result<f64> {
     let shape_err = |reason: String| CarrierError::Shape {
         what: "attention-logit correlation".into(),
@@ -138,12 +140,17 @@ pub fn logit_correlation(
     let a = logits(true_keys)?;
     let s = logits(sub_keys)?;
     let per_head = a.len() / n_kv;
-    let total: f64 = a
+    let chosen: Vec<f64> = a
         .chunks(per_head)
         .zip(s.chunks(per_head))
-        .map(|(x, y)| pearson(x, y))
-        .sum();
-    Ok(total / n_kv as f64)
+        .enumerate()
+        .filter(|(h, _)| heads.is_none_or(|hs| hs.contains(h)))
+        .map(|(_, (x, y))| pearson(x, y))
+        .collect();
+    if chosen.is_empty() {
+        return Ok(1.0);
+    }
+    Ok(chosen.iter().sum::<f64>() / chosen.len() as f64)
 }
 
 /// Pearson correlation (the cosine of the centred vectors); 1.0 when a set
@@ -163,6 +170,35 @@ fn pearson(x: &[f64], y: &[f64]) -> f64 {
     if sxx > 0.0 && syy > 0.0 {
         (sxy / (sxx * syy).sqrt()).clamp(-1.0, 1.0)
     } else if x == y {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// The kv `heads` (axis 1) of a `[b, heads, T, hd]` tensor.
+pub fn select_heads(t: &Tensor, heads: &[usize]) -> Result<Tensor> {
+    let idx = Tensor::from_vec(
+        heads.iter().map(|&h| h as u32).collect::<Vec<_>>(),
+        heads.len(),
+        t.device(),
+    )?;
+    Ok(t.contiguous()?.index_select(&idx, 1)?)
+}
+
+/// Per-vector cosine of two equal-length vectors, in `f64`, with the
+/// convention of [`mean_vector_cosine`]: zero vectors count 1 when both are
+/// zero, 0 otherwise.
+pub fn vector_cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut d, mut na, mut nb) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        d += *x as f64 * *y as f64;
+        na += (*x as f64).powi(2);
+        nb += (*y as f64).powi(2);
+    }
+    if na > 0.0 && nb > 0.0 {
+        d / (na.sqrt() * nb.sqrt())
+    } else if na == nb {
         1.0
     } else {
         0.0
@@ -198,23 +234,31 @@ pub fn site_cosine(a: &Tensor, b: &Tensor, axis: usize, sites: &[usize]) -> Resu
 }
 
 /// Fidelity of a cache's carrier to the native cache: the mean per-vector
-/// cosine of its keys (and/or values) over `layers`, kv heads and `sites`
-/// (every entry when `None`), the keys' and the values' means averaged.
+/// cosine of its keys (and/or values) over `layers`, the kv `heads` (every
+/// head when `None`) and `sites` (every entry when `None`), the keys' and
+/// the values' means averaged.
 pub fn kv_fidelity(
     cache: &tolerable_runtime::KvCache,
     native: &tolerable_runtime::KvCache,
     carrier: crate::sites::Carrier,
     layers: &[usize],
     sites: Option<&[usize]>,
+    heads: Option<&[usize]>,
 ) -> Result<f64> {
     let mut acc = Vec::new();
+    let pick = |t: &Tensor| -> Result<Tensor> {
+        Ok(match heads {
+            Some(h) => select_heads(t, h)?,
+            None => t.clone(),
+        })
+    };
     for &l in layers {
         let (a, b) = (cache.require_layer(l)?, native.require_layer(l)?);
         if carrier.has_k() {
-            acc.push(mean_vector_cosine(&a.k, &b.k, 2, sites)?);
+            acc.push(mean_vector_cosine(&pick(&a.k)?, &pick(&b.k)?, 2, sites)?);
         }
         if carrier.has_v() {
-            acc.push(mean_vector_cosine(&a.v, &b.v, 2, sites)?);
+            acc.push(mean_vector_cosine(&pick(&a.v)?, &pick(&b.v)?, 2, sites)?);
         }
     }
     Ok(acc.iter().sum::<f64>() / acc.len().max(1) as f64)
@@ -272,7 +316,7 @@ mod tests {
         let q = pattern(&[1, 4, 3, 8], 5, 1);
         let k = pattern(&[1, 2, 6, 8], 7, 3);
         let sites = [1, 2, 4];
-        assert!((logit_correlation(&q, &k, &k, &sites).unwrap() - 1.0).abs() < 1e-12);
+        assert!((logit_correlation(&q, &k, &k, &sites, None).unwrap() - 1.0).abs() < 1e-12);
         // Negate the keys at the sites only: every logit there flips sign.
         let mask = Tensor::from_vec(
             vec![1f32, -1., -1., 1., -1., 1.],
@@ -281,13 +325,13 @@ mod tests {
         )
         .unwrap();
         let neg = k.broadcast_mul(&mask).unwrap();
-        assert!((logit_correlation(&q, &k, &neg, &sites).unwrap() + 1.0).abs() < 1e-12);
+        assert!((logit_correlation(&q, &k, &neg, &sites, None).unwrap() + 1.0).abs() < 1e-12);
         // Outside the sites changes nothing.
-        assert!((logit_correlation(&q, &k, &neg, &[0, 3]).unwrap() - 1.0).abs() < 1e-12);
-        assert_eq!(logit_correlation(&q, &k, &neg, &[]).unwrap(), 1.0);
-        assert!(logit_correlation(&q, &k, &neg, &[6]).is_err());
+        assert!((logit_correlation(&q, &k, &neg, &[0, 3], None).unwrap() - 1.0).abs() < 1e-12);
+        assert_eq!(logit_correlation(&q, &k, &neg, &[], None).unwrap(), 1.0);
+        assert!(logit_correlation(&q, &k, &neg, &[6], None).is_err());
         let q3 = pattern(&[1, 3, 3, 8], 5, 1);
-        assert!(logit_correlation(&q3, &k, &k, &sites).is_err());
+        assert!(logit_correlation(&q3, &k, &k, &sites, None).is_err());
     }
 
     #[test]
@@ -304,11 +348,11 @@ mod tests {
         // By hand: means 2.75 and 1.75; centred x (-1.75, .25, -.75, 2.25),
         // y (-.75, .25, -.75, 1.25): sxy 4.75, sxx 8.75, syy 2.75.
         assert!((want - 4.75 / (8.75f64 * 2.75).sqrt()).abs() < 1e-12);
-        let got = logit_correlation(&q, &k, &s, &[0, 1]).unwrap();
+        let got = logit_correlation(&q, &k, &s, &[0, 1], None).unwrap();
         assert!((got - want).abs() < 1e-12, "{got} against {want}");
         // Constant logit sets: identical → 1, different → 0.
         let zq = q.zeros_like().unwrap();
-        assert_eq!(logit_correlation(&zq, &k, &s, &[0, 1]).unwrap(), 1.0);
+        assert_eq!(logit_correlation(&zq, &k, &s, &[0, 1], None).unwrap(), 1.0);
         assert_eq!(pearson(&[2.0, 2.0], &[1.0, 3.0]), 0.0);
     }
 
@@ -319,7 +363,14 @@ mod tests {
         let k = pattern(&[1, 2, 5, 4], 11, 5);
         let mask = Tensor::from_vec(vec![-1f32, 1.], (1, 2, 1, 1), &Device::Cpu).unwrap();
         let s = k.broadcast_mul(&mask).unwrap();
-        let got = logit_correlation(&q, &k, &s, &[0, 1, 2, 3, 4]).unwrap();
+        let got = logit_correlation(&q, &k, &s, &[0, 1, 2, 3, 4], None).unwrap();
         assert!(got.abs() < 1e-12, "{got}");
+        // Over the substituted head only: -1; over the untouched one: 1.
+        let h0 = logit_correlation(&q, &k, &s, &[0, 1, 2, 3, 4], Some(&[0])).unwrap();
+        let h1 = logit_correlation(&q, &k, &s, &[0, 1, 2, 3, 4], Some(&[1])).unwrap();
+        assert!(
+            (h0 + 1.0).abs() < 1e-12 && (h1 - 1.0).abs() < 1e-12,
+            "{h0} {h1}"
+        );
     }
 }

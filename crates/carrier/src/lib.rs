@@ -12,6 +12,7 @@
 //! driver's business.
 //!
 //! [`KvCache`]: tolerable_runtime::KvCache
+#![warn(missing_docs)]
 
 pub mod bank;
 pub mod codebook;

@@ -66,6 +66,13 @@ pub fn mix(seed: u64, parts: &[u64]) -> u64 {
     h
 }
 
+/// A stable 64-bit key of an arm's name (FNV-1a), for seeds.
+fn name_key(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
 fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
@@ -74,7 +81,6 @@ fn mean(v: &[f64]) -> Option<f64> {
 #[allow(clippy::too_many_arguments)]
 fn transform_cx<'a>(
     step: &'a Step,
-    geometry: &'a Geometry,
     source_geometry: &'a Geometry,
     seed_of: &'a dyn Fn(usize, u64) -> u64,
     cx: &'a ItemCx,
@@ -85,8 +91,6 @@ fn transform_cx<'a>(
         carrier: step.carrier,
         layers: &step.layers,
         sites,
-        positions: step.positions,
-        geometry,
         source_geometry,
         heads: step.heads.as_deref(),
         seed_of,
@@ -114,44 +118,53 @@ fn source_value(
         CarrierValue::Kv(c) => c.len(),
         CarrierValue::Resid(m) => m.values().next().map(|t| t.dims()[1]).unwrap_or(0),
     };
+    // An appended span is the source's own (another item's passage): its
+    // transforms act where it lies in the source's context.
+    let on = if step.mechanism == Mechanism::Append {
+        &sg
+    } else {
+        g
+    };
     let mut sites: Vec<usize> = step
         .positions
-        .resolve(g)
+        .resolve(on)
         .into_iter()
         .filter(|&p| p < have)
         .collect();
-    if let (CarrierValue::Resid(m), Some(own)) = (&mut value, fit_to) {
-        for (l, t) in m.iter_mut() {
-            *t = fit_positions(t, own.resid(*l)?, 1)?;
-        }
-    }
+    // Perturbations are seeded by the run, the item, the arm's name, the
+    // injection, the layer and which tensor: reordering arms changes nothing.
+    let arm_key = name_key(&program.name);
     let seed_of = |l: usize, which: u64| {
         mix(
             cx.seed,
-            &[
-                cx.index as u64,
-                program.index as u64,
-                step.index as u64,
-                l as u64,
-                which,
-            ],
+            &[cx.index as u64, arm_key, step.index as u64, l as u64, which],
         )
     };
     let mut chain = format!("{}:{}", step.source.name(), program.base.name());
     for t in &step.transforms {
         let moved = t.sites(
             sites.clone(),
-            &transform_cx(step, g, &sg, &seed_of, cx, &sites, &chain),
+            &transform_cx(step, &sg, &seed_of, cx, &sites, &chain),
         );
         sites = moved;
         let (v, ach) = t.apply(
             value,
-            &transform_cx(step, g, &sg, &seed_of, cx, &sites, &chain),
+            &transform_cx(step, &sg, &seed_of, cx, &sites, &chain),
         )?;
         value = v;
         achieved.extend(ach);
-        chain.push('|');
-        chain.push_str(&t.name());
+        // The chain keys shared work: a seeded transform makes it the arm's own.
+        chain.push_str(&format!("|{t:?}"));
+        if t.seeded() {
+            chain.push_str(&format!("#{}", program.name));
+        }
+    }
+    // A residual source of another length is fitted to the receiver's:
+    // positions it lacks keep the receiver's own state.
+    if let (CarrierValue::Resid(m), Some(own)) = (&mut value, fit_to) {
+        for (l, t) in m.iter_mut() {
+            *t = fit_positions(t, own.resid(*l)?, 1)?;
+        }
     }
     Ok((value, sites, sg))
 }
@@ -244,7 +257,14 @@ pub fn prepare(program: &ArmProgram, cx: &ItemCx) -> Result<Prepared> {
             if hi <= full.cache.len() {
                 let nat = full.cache.narrow(lo, hi - lo)?;
                 let app = src.narrow(lo, hi - lo)?;
-                fid.push(kv_fidelity(&app, &nat, step.carrier, &step.layers, None)?);
+                fid.push(kv_fidelity(
+                    &app,
+                    &nat,
+                    step.carrier,
+                    &step.layers,
+                    None,
+                    None,
+                )?);
             }
         } else {
             n_sites = n_sites.max(sites.len());
@@ -267,6 +287,7 @@ pub fn prepare(program: &ArmProgram, cx: &ItemCx) -> Result<Prepared> {
                     step.carrier,
                     &step.layers,
                     Some(&sites),
+                    step.heads.as_deref(),
                 )?);
                 if step.logit_correlation {
                     let mut per_layer = Vec::with_capacity(step.layers.len());
@@ -281,6 +302,7 @@ pub fn prepare(program: &ArmProgram, cx: &ItemCx) -> Result<Prepared> {
                             &full.cache.require_layer(l)?.k,
                             &cache.require_layer(l)?.k,
                             &sites,
+                            step.heads.as_deref(),
                         )?);
                     }
                     corr.extend(per_layer);

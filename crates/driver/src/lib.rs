@@ -7,6 +7,7 @@
 //! per-item loop: shared passes ([`passes`]), programs ([`exec`]), batched
 //! decoding. [`records`] writes Parquet declared once; [`sweep`] makes runs
 //! resumable and sharded; [`report`] draws them.
+#![warn(missing_docs)]
 
 pub mod arm;
 pub mod config;

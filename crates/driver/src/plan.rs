@@ -85,13 +85,6 @@ pub struct Plan {
     pub native: usize,
 }
 
-impl Plan {
-    /// Whether arms read mis-source partners.
-    pub fn needs_partners(&self) -> usize {
-        self.needs.partners
-    }
-}
-
 fn bad(arm: &Arm, field: String, reason: impl Into<String>) -> DriverError {
     DriverError::Inapplicable {
         arm: arm.name.clone(),
@@ -247,11 +240,24 @@ fn compile_arm(
     let mut appended = false;
     let mut resid_steps = Vec::new();
     let mut cache_steps = Vec::new();
-    let mut resources = Vec::new();
     for (j, inj) in arm.inject.iter().enumerate() {
         let f = |name: &str| format!("{prefix}.inject[{j}].{name}");
         let layers = inj.layers.resolve(model.n_layers, &f("layers"))?;
         if let Some(heads) = &inj.heads {
+            if heads.is_empty() {
+                return Err(bad(
+                    arm,
+                    f("heads"),
+                    "an empty head list selects nothing; leave `heads` out for every head",
+                ));
+            }
+            if inj.mechanism == Mechanism::Append {
+                return Err(bad(
+                    arm,
+                    f("heads"),
+                    "append adds every kv head's entries; it takes no `heads`",
+                ));
+            }
             if inj.carrier == Carrier::H {
                 return Err(bad(arm, f("heads"), "the residual carrier h has no heads"));
             }
@@ -399,7 +405,6 @@ fn compile_arm(
                         ))
                     }
                 };
-                resources.push(b.bank.clone());
                 transforms.push(Arc::new(BankSubstitute {
                     bank: b.bank.clone(),
                     pick,
@@ -440,7 +445,6 @@ fn compile_arm(
                     c.snapping,
                 )
                 .map_err(|e| bad(arm, f("source.codebook.snapping"), e.to_string()))?;
-                resources.push(c.codebook.clone());
                 transforms.push(Arc::new(CodebookSnap {
                     codebook: c.codebook.clone(),
                     snapping: c.snapping,
@@ -497,6 +501,12 @@ fn compile_arm(
             cache_steps.push(step);
         }
     }
+    // The resources an arm reads are those its transforms name.
+    let mut resources: Vec<String> = resid_steps
+        .iter()
+        .chain(&cache_steps)
+        .flat_map(|s: &Step| s.transforms.iter().flat_map(|t| t.resources()))
+        .collect();
     resources.sort();
     resources.dedup();
     Ok(ArmProgram {

@@ -216,20 +216,23 @@ fn construction_notes(rows: &[SummaryRow], meta: &serde_json::Value) -> Vec<Stri
         .as_array()
         .map(|arms| arms.iter().all(|a| a["arm"]["holder"].is_null()))
         .unwrap_or(true);
-    let mut fams: Vec<String> = rows
+    let fams: std::collections::BTreeSet<String> = rows
         .iter()
         .filter(|r| {
+            let displaced = serde_json::from_str::<serde_json::Value>(&r.arm.arm_json)
+                .ok()
+                .and_then(|a| a["inject"][0].get("source_positions").cloned())
+                .is_some();
             own_holder
                 && r.arm.source.as_deref() == Some("holder")
                 && matches!(
                     r.arm.positions.as_deref(),
                     Some("fact_free_prefix") | Some("common_prefix")
                 )
-                && !r.arm.arm_json.contains("source_positions")
+                && !displaced
         })
         .map(|r| r.arm.family.clone())
         .collect();
-    fams.dedup();
     fams.into_iter()
         .map(|f| format!(
             "`{f}` writes the holder's states at fact-free common-prefix positions; the holder here is the receiver itself, whose states there equal its own on the masked passage (causal attention), so this control equals the floor by construction. The displaced control (the holder's fact-region states written at fact-free positions, `source_positions = \"fact_region\"`) is the sharper one."

@@ -92,7 +92,7 @@ impl<'a> Runner<'a> {
 
     /// Runs every arm on `pair` (its index `item_index` seeds
     /// perturbations); `partners` are its mis-source partners, as many as
-    /// the plan reads ([`Plan::needs_partners`]).
+    /// the plan reads (`plan.needs.partners`).
     pub fn run_item(
         &self,
         pair: &ContextPair,
@@ -170,10 +170,23 @@ impl<'a> Runner<'a> {
         // The per-item gates: arms that must equal an anchor bit for bit.
         for (a, program) in self.plan.programs.iter().enumerate() {
             if let Some(e) = program.expect {
-                let r = match e {
+                let anchor = match e {
                     Expect::Floor => self.plan.floor,
                     Expect::Native => self.plan.native,
                 };
+                // Programs are looked up by their arm's index: a plan may run
+                // a subset of the config's arms.
+                let r = self
+                    .plan
+                    .programs
+                    .iter()
+                    .position(|p| p.index == anchor)
+                    .ok_or_else(|| {
+                        crate::error::DriverError::Records(format!(
+                            "arm `{}` is gated against an anchor this plan does not run",
+                            program.name
+                        ))
+                    })?;
                 let same = out[a].tokens == out[r].tokens
                     && bit_equal(&out[a].first_logits, &out[r].first_logits)?;
                 out[a].bit_exact = Some(same);

@@ -11,7 +11,7 @@ use crate::items::ItemSet;
 use crate::plan::{compile, Plan};
 use crate::records::{self, ArmColumns, ItemRow, SampleRow};
 use crate::resources::store::{Meta, Obtained, Store};
-use crate::resources::{content_hash, BuildCx, EvalSet, TrainCx, Value};
+use crate::resources::{hash_all, BuildCx, EvalSet, TrainCx, Value};
 use crate::runner::{Batching, Runner};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
@@ -62,12 +62,13 @@ pub fn cell_path(dir: &Path, c: usize) -> PathBuf {
 }
 
 /// Reads a model's geometry (for shape checks and plans) from a catalog id
-/// or a path, without loading its weights.
+/// or a path (a GGUF file's header only; a checkpoint folder is loaded).
 pub fn model_config_of(id: &str) -> Result<ModelConfig> {
     Ok(header(id)?.0)
 }
 
-/// The geometry and tokenizer of a GGUF model, read from its header.
+/// The geometry and tokenizer of a model: a GGUF file's header only (no
+/// weights), or, for a checkpoint folder, the loaded checkpoint.
 fn header(id: &str) -> Result<(ModelConfig, Tokenizer, PathBuf)> {
     let path = tolerable_fetch::resolve(id)?.path;
     if path.is_dir() {
@@ -119,12 +120,15 @@ fn git_revision() -> String {
 }
 
 fn write_json_atomic(path: &Path, v: &serde_json::Value) -> Result<()> {
-    let tmp = path.with_extension("json.tmp");
+    let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
     if let Err(e) = std::fs::write(&tmp, serde_json::to_string_pretty(v).unwrap_or_default()) {
         let _ = std::fs::remove_file(&tmp);
         return Err(io(format!("writing {}", tmp.display()))(e));
     }
-    std::fs::rename(&tmp, path).map_err(io(format!("renaming {}", tmp.display())))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io(format!("renaming {}", tmp.display()))(e)
+    })?;
     Ok(())
 }
 
@@ -261,46 +265,32 @@ pub struct ObtainedResource {
     pub items: Vec<String>,
 }
 
+/// The sha256 a run's resource hashes use for its receiver: the hash
+/// verified on load, or `unhashed:<path>` for a checkpoint folder (which is
+/// not hashed: a changed folder is not noticed).
+pub fn model_key(sha256: Option<&str>, path: &Path) -> String {
+    sha256
+        .map(String::from)
+        .unwrap_or_else(|| format!("unhashed:{}", path.display()))
+}
+
 /// Builds (or loads from the cache) every resource of `plan`, in order.
-#[allow(clippy::too_many_arguments)]
 pub fn obtain_resources(
     plan: &Plan,
     ck: &Checkpoint,
-    split: &SplitOptions,
-    data: &BTreeMap<String, PathBuf>,
-    eval: &EvalSet,
+    precision: &str,
+    train: &TrainCx,
     store: &Store,
 ) -> Result<(BTreeMap<String, Value>, BTreeMap<String, ObtainedResource>)> {
-    let model_sha = ck
-        .sha256
-        .clone()
-        .unwrap_or_else(|| format!("unhashed:{}", ck.id));
+    let model_sha = model_key(ck.sha256.as_deref(), &ck.path);
+    let cfg = ck.model.config();
     let mut values: BTreeMap<String, Value> = BTreeMap::new();
     let mut info: BTreeMap<String, ObtainedResource> = BTreeMap::new();
-    for (name, spec) in &plan.resources {
+    for r in hash_all(&plan.resources, train, &model_sha, precision)? {
+        let (name, spec, hash) = (&r.name, &r.spec, &r.hash);
         let kind = spec.kind();
-        let cx = BuildCx {
-            train: TrainCx {
-                tokenizer: &ck.tokenizer,
-                split,
-                data,
-                eval,
-            },
-            model: &ck.model,
-            deps: &values,
-        };
-        let items = kind.training_items(&cx.train)?;
-        let ids: Vec<String> = items.iter().map(|i| i.item.id.clone()).collect();
-        let deps: BTreeMap<String, String> = kind
-            .deps()
-            .into_iter()
-            .map(|d| {
-                let h = info.get(&d).map(|o| o.hash.clone()).unwrap_or_default();
-                (d, h)
-            })
-            .collect();
-        let hash = content_hash(spec, &model_sha, &ids, &deps);
-        let (value, obtained, secs) = match store.load(spec, &hash, &model_sha)? {
+        let ids: Vec<String> = r.items.iter().map(|i| i.item.id.clone()).collect();
+        let (value, obtained, secs) = match store.load(spec, hash, &model_sha, cfg)? {
             Ok((v, meta)) => {
                 tracing::info!(
                     "resource `{name}` ({}) loaded from the cache ({hash})",
@@ -322,8 +312,17 @@ pub fn obtain_resources(
                     kind.describe(),
                     ids.len()
                 );
+                let cx = BuildCx {
+                    train: TrainCx {
+                        field: format!("[resources.{name}]"),
+                        ..*train
+                    },
+                    model: &ck.model,
+                    deps: &values,
+                };
                 let t0 = Instant::now();
-                let v = kind.build(&cx, &items)?;
+                let v = kind.build(&cx, &r.items)?;
+                kind.check(&v, cfg)?;
                 let secs = t0.elapsed().as_secs_f64();
                 store.save(
                     &v,
@@ -344,7 +343,7 @@ pub fn obtain_resources(
         info.insert(
             name.clone(),
             ObtainedResource {
-                hash,
+                hash: hash.clone(),
                 obtained,
                 build_seconds: secs,
                 items: ids,
@@ -381,45 +380,45 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
             .clone()
             .unwrap_or_else(Store::default_root),
     );
-    // Hashes need the training items and the model's sha256 (the verified
-    // hash recorded beside a fetched file).
-    let sha = tolerable_fetch::provenance::recorded_sha256(&path)?
-        .unwrap_or_else(|| "(not yet verified)".into());
+    // Hashes need the training items (tokenizer only) and the model's
+    // sha256 as verified on load (remembered beside a fetched file).
     let mut status = BTreeMap::new();
-    let mut hashes: BTreeMap<String, String> = BTreeMap::new();
     let eval = eval_set(&sample.items);
-    for (name, spec) in &plan.resources {
-        let kind = spec.kind();
-        // Training items need only the tokenizer; no model is run.
-        let ids: Vec<String> = kind
-            .training_items(&TrainCx {
-                tokenizer: &tokenizer,
-                split: &split,
-                data: &opts.data,
-                eval: &eval,
-            })?
-            .iter()
-            .map(|i| i.item.id.clone())
-            .collect();
-        let deps: BTreeMap<String, String> = kind
-            .deps()
-            .into_iter()
-            .map(|d| {
-                let h = hashes.get(&d).cloned().unwrap_or_default();
-                (d, h)
-            })
-            .collect();
-        let hash = content_hash(spec, &sha, &ids, &deps);
-        let cached = store.is_cached(kind.kind(), &hash);
-        status.insert(
-            name.clone(),
-            format!(
-                "hash {hash} {} ({} training items)",
-                if cached { "cached" } else { "to build" },
-                ids.len()
-            ),
-        );
-        hashes.insert(name.clone(), hash);
+    let train = TrainCx {
+        tokenizer: &tokenizer,
+        split: &split,
+        data: &opts.data,
+        eval: &eval,
+        field: String::new(),
+    };
+    let sha = if path.is_dir() {
+        Some(model_key(None, &path))
+    } else {
+        tolerable_fetch::provenance::recorded_sha256(&path)?
+    };
+    match &sha {
+        Some(sha) => {
+            for r in hash_all(&plan.resources, &train, sha, &cfg.run.precision)? {
+                let cached = store.is_cached(r.spec.kind().kind(), &r.hash, sha);
+                status.insert(
+                    r.name.clone(),
+                    format!(
+                        "hash {} {} ({} training items)",
+                        r.hash,
+                        if cached { "cached" } else { "to build" },
+                        r.items.len()
+                    ),
+                );
+            }
+        }
+        None => {
+            for (name, _) in &plan.resources {
+                status.insert(
+                    name.clone(),
+                    "(hash unknown until the model file is verified, on its first load)".into(),
+                );
+            }
+        }
     }
     out.push_str(&plan.describe(&status));
     // Estimate: passes read each context once (the shared prefix once),
@@ -518,19 +517,6 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     let split = split_options(&cfg, ctx);
     let (sample, source) = sample_items(&cfg, &ck.tokenizer, &split)?;
     let set = ItemSet::new(sample.items.clone(), plan.needs.partners, cfg.run.seed)?;
-    let store = Store::new(
-        opts.resource_root
-            .clone()
-            .unwrap_or_else(Store::default_root),
-    );
-    let (resources, obtained) = obtain_resources(
-        &plan,
-        &ck,
-        &split,
-        &opts.data,
-        &eval_set(&sample.items),
-        &store,
-    )?;
     // Gates first: no record is written if one fails.
     let t_gates = Instant::now();
     let gates = crate::gates::run_all(&ck, false)?;
@@ -550,7 +536,29 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             serde_json::to_string(&gates).unwrap_or_default()
         )));
     }
-    // Every invocation on this folder (first run, resumes, shards) is kept.
+    // Resources after the gates: nothing is built for a receiver that fails one.
+    let store = Store::new(
+        opts.resource_root
+            .clone()
+            .unwrap_or_else(Store::default_root),
+    );
+    let eval = eval_set(&sample.items);
+    let (resources, obtained) = obtain_resources(
+        &plan,
+        &ck,
+        &cfg.run.precision,
+        &TrainCx {
+            tokenizer: &ck.tokenizer,
+            split: &split,
+            data: &opts.data,
+            eval: &eval,
+            field: String::new(),
+        },
+        &store,
+    )?;
+    // Every invocation on this folder (first run, resumes, shards) is kept;
+    // the top-level command, revision and threads are the latest's.
+    let revision = git_revision();
     let mut invocations: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("run.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
@@ -558,7 +566,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         .unwrap_or_default();
     invocations.push(serde_json::json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "git_revision": git_revision(),
+        "git_revision": revision,
         "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")),
         "gates_passed": true,
         "threads": candle_core::utils::get_num_threads(),
@@ -597,7 +605,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             "precision": cfg.run.precision,
             "config": ck.model.config(),
         },
-        "git_revision": git_revision(),
+        "git_revision": revision,
         "seeds": { "sample": cfg.run.seed, "pairing": cfg.run.seed, "perturbation": cfg.run.seed },
         "data": {
             "source": cfg.data.source.name(),
@@ -814,16 +822,21 @@ fn finish(cfg: &SweepConfig, dir: &Path, n_cells: usize, computed: usize) -> Res
         return Ok(out);
     }
     let items = records::read_items(dir)?;
-    // The arms' columns as the cells recorded them (resource hashes included).
+    // The arms' columns as the cells recorded them (resource hashes
+    // included); cells of shards that read other resources do not merge.
     let mut columns = Vec::with_capacity(cfg.arms.len());
     for pa in &cfg.arms {
-        let row = items
-            .iter()
-            .find(|r| r.arm.arm == pa.arm.name)
-            .ok_or_else(|| {
-                DriverError::Records(format!("no item rows for arm `{}`", pa.arm.name))
-            })?;
-        columns.push(row.arm.clone());
+        let mut rows = items.iter().filter(|r| r.arm.arm == pa.arm.name);
+        let first = rows.next().ok_or_else(|| {
+            DriverError::Records(format!("no item rows for arm `{}`", pa.arm.name))
+        })?;
+        if let Some(other) = rows.find(|r| r.arm.resources != first.arm.resources) {
+            return Err(DriverError::Records(format!(
+                "arm `{}`: item {} read resources {:?}, item {} read {:?}; shards of one run must read the same resources",
+                pa.arm.name, first.item_id, first.arm.resources, other.item_id, other.arm.resources
+            )));
+        }
+        columns.push(first.arm.clone());
     }
     let rows = records::summarize(cfg, &columns, &items)?;
     records::write_rows(rows, &dir.join("summary.parquet"))?;

@@ -9,14 +9,14 @@ use crate::error::{DriverError, Result};
 use crate::resources::bank::downcast;
 use crate::resources::{CodebookSet, KeyBank, Value};
 use crate::sources::CarrierValue;
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use std::any::Any;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::rc::Rc;
 use tolerable_carrier::codebook::Snapping;
-use tolerable_carrier::fidelity::site_cosine;
+use tolerable_carrier::fidelity::{select_heads, site_cosine, vector_cosine};
 use tolerable_carrier::{Carrier, Geometry, Perturbation, Positions};
 use tolerable_runtime::hooks::site_mask;
 
@@ -52,10 +52,6 @@ pub struct TransformCx<'a> {
     pub layers: &'a [usize],
     /// Destination sites (context positions), restricted to those the source holds.
     pub sites: &'a [usize],
-    /// The injection's position set (for displacement).
-    pub positions: Positions,
-    /// The item's geometry.
-    pub geometry: &'a Geometry,
     /// The geometry of the context the source was read from.
     pub source_geometry: &'a Geometry,
     /// KV heads (KV carriers), `None` = all.
@@ -85,6 +81,11 @@ pub trait Transform: fmt::Debug + Send + Sync {
     }
     /// Applies the transform at the sites.
     fn apply(&self, value: CarrierValue, cx: &TransformCx) -> Result<(CarrierValue, Achieved)>;
+    /// Whether its output depends on the arm's seed (then no other arm
+    /// shares work keyed after it).
+    fn seeded(&self) -> bool {
+        false
+    }
     /// The destination sites after this transform (displacement may shorten them).
     fn sites(&self, sites: Vec<usize>, _cx: &TransformCx) -> Vec<usize> {
         sites
@@ -96,6 +97,10 @@ pub trait Transform: fmt::Debug + Send + Sync {
 pub struct Perturb(pub Perturbation);
 
 impl Transform for Perturb {
+    fn seeded(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         match self.0.target_cosine() {
             Some(c) => format!("{}({c})", self.0.name()),
@@ -113,7 +118,9 @@ impl Transform for Perturb {
                     })?;
                     let mask = site_mask(src.dims(), Some((1, cx.sites)), None, src.device())?;
                     let pert = self.0.apply(src, Some(&mask), (cx.seed_of)(l, 0))?;
-                    ach.push(site_cosine(&pert, src, 1, cx.sites)?);
+                    if !cx.sites.is_empty() {
+                        ach.push(site_cosine(&pert, src, 1, cx.sites)?);
+                    }
                     m.insert(l, pert);
                 }
                 Ok((CarrierValue::Resid(m), ach))
@@ -135,7 +142,14 @@ impl Transform for Perturb {
                             t.device(),
                         )?;
                         let out = self.0.apply(t, Some(&mask), (cx.seed_of)(l, which))?;
-                        ach.push(site_cosine(&out, t, 2, &live)?);
+                        // Measured where it was calibrated: the sites of the chosen heads.
+                        if !live.is_empty() {
+                            let (o, r) = match cx.heads {
+                                Some(h) => (select_heads(&out, h)?, select_heads(t, h)?),
+                                None => (out.clone(), t.clone()),
+                            };
+                            ach.push(site_cosine(&o, &r, 2, &live)?);
+                        }
                         Ok(out)
                     };
                     let k = if cx.carrier.has_k() {
@@ -272,7 +286,12 @@ fn substitute_keys(
     heads: Option<&[usize]>,
     mut rows: impl FnMut(usize, &Tensor) -> Result<Tensor>,
 ) -> Result<(Tensor, Vec<f64>)> {
-    let (_, nkv, t, hd) = k.dims4()?;
+    let (b, nkv, t, hd) = k.dims4()?;
+    if b != 1 {
+        return Err(DriverError::Records(format!(
+            "internal: key substitution on a batch of {b}; sources are batch 1"
+        )));
+    }
     let live: Vec<usize> = sites.iter().copied().filter(|&s| s < t).collect();
     if live.is_empty() {
         return Ok((k.clone(), Vec::new()));
@@ -281,7 +300,7 @@ fn substitute_keys(
     let idx = Tensor::from_vec(
         live.iter().map(|&s| s as u32).collect::<Vec<_>>(),
         live.len(),
-        &Device::Cpu,
+        k.device(),
     )?;
     let mut cos = Vec::new();
     for h in 0..nkv {
@@ -300,26 +319,10 @@ fn substitute_keys(
         for (i, &s) in live.iter().enumerate() {
             let at = (h * t + s) * hd;
             data[at..at + hd].copy_from_slice(&new_v[i]);
-            cos.push(vec_cos(&new_v[i], &true_v[i]));
+            cos.push(vector_cosine(&new_v[i], &true_v[i]));
         }
     }
     Ok((Tensor::from_vec(data, k.dims(), k.device())?, cos))
-}
-
-fn vec_cos(a: &[f32], b: &[f32]) -> f64 {
-    let (mut d, mut na, mut nb) = (0f64, 0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        d += *x as f64 * *y as f64;
-        na += (*x as f64).powi(2);
-        nb += (*y as f64).powi(2);
-    }
-    if na > 0.0 && nb > 0.0 {
-        d / (na.sqrt() * nb.sqrt())
-    } else if na == nb {
-        1.0
-    } else {
-        0.0
-    }
 }
 
 fn sites_key(sites: &[usize]) -> String {

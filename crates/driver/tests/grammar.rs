@@ -284,6 +284,22 @@ fn arms_that_cannot_apply_fail_validation_naming_the_field() {
         &none,
     );
     assert!(e.contains("arms[0].inject[0].heads"), "{e}");
+    let e = validate(
+        "[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", heads = [], source = \"holder\" }\n",
+        &none,
+    );
+    assert!(
+        e.contains("arms[0].inject[0].heads") && e.contains("empty"),
+        "{e}"
+    );
+    let e = validate(
+        "[[arms]]\nname = \"a\"\ninject = { carrier = \"kv\", heads = [0], positions = \"passage\", source = \"holder\", mechanism = \"append\" }\n",
+        &none,
+    );
+    assert!(
+        e.contains("arms[0].inject[0].heads") && e.contains("append"),
+        "{e}"
+    );
     let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"h\", source = \"holder\", mechanism = \"interpolate\" }\n", &none);
     assert!(e.contains("alpha"), "{e}");
     let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"h\", source = \"holder\", mechanism = \"append\" }\n", &none);

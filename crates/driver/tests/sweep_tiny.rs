@@ -391,6 +391,14 @@ grid = {{ "source.codebook.snapping" = ["l2", "cosine", "projection"] }}
 [[arms]]
 name = "act_displaced"
 inject = {{ carrier = "h", layers = 1, positions = "fact_free_prefix", source_positions = "fact_region", source = "holder" }}
+
+[[arms]]
+name = "act_displaced_other"
+inject = {{ carrier = "h", layers = 1, positions = "fact_free_prefix", source_positions = "fact_region", source = "other_item" }}
+
+[[arms]]
+name = "k_displaced_noise"
+inject = {{ carrier = "k", layers = 1, heads = [1], positions = "fact_free_prefix", source_positions = "fact_region", source = "holder", perturb = {{ kind = "cosine_noise", target_cosine = 0.9 }} }}
 "#,
         model.display()
     );
@@ -461,6 +469,12 @@ fn a_key_bank_and_codebooks_are_built_once_cached_and_recorded() {
     assert!(r > -1.0 && r < 1.0, "{r}");
     let d = arm.iter().position(|a| a == "act_displaced").unwrap();
     assert_ne!(col(&names, &all, "n_sites")[d], "0");
+    // Noise on one head reaches its target where it was calibrated.
+    let k = arm.iter().position(|a| a == "k_displaced_noise").unwrap();
+    if ach[k] != "null" {
+        let c: f64 = ach[k].parse().unwrap();
+        assert!((c - 0.9).abs() < 1e-3, "{c}");
+    }
 
     // A second run loads both from the cache.
     sweep::run(&cfg, &opts("b")).unwrap();

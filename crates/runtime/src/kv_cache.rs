@@ -189,7 +189,8 @@ impl KvCache {
     /// The first call keeps the tensors as they are; a later one writes into
     /// this cache's spare capacity when it has enough, else copies the
     /// entries into new buffers with [`SLACK`] spare entries (a call of more
-    /// than [`SLACK`] tokens joins them exactly, without spare capacity).
+    /// than [`SLACK`] tokens that does not fit the spare capacity joins them
+    /// exactly, without spare capacity).
     /// Layers with spare capacity are strided views of their buffers.
     pub(crate) fn push_own(&mut self, l: usize, k: &Tensor, v: &Tensor) -> Result<LayerKv> {
         let Some(old) = &self.layers[l] else {

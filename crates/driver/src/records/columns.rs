@@ -26,6 +26,11 @@ fn typed<T>(name: &str, r: PolarsResult<T>) -> Result<T> {
     r.map_err(|e| DriverError::Records(format!("column `{name}`: {e}")))
 }
 
+/// A value of a column that may not hold nulls.
+fn required<T>(x: Option<T>, name: &str) -> PolarsResult<T> {
+    x.ok_or_else(|| polars_err!(ComputeError: "a null in column `{}`, which holds no nulls", name))
+}
+
 macro_rules! leaf {
     ($ty:ty, $arrow:literal, |$n:ident, $v:ident| $make:expr, |$c:ident| $read:expr) => {
         impl Columns for $ty {
@@ -49,8 +54,8 @@ macro_rules! leaf {
 leaf!(String, "string", |n, v| Column::new(n.into(), v), |c| c
     .str()?
     .iter()
-    .map(|x| x.unwrap_or_default().to_string())
-    .collect());
+    .map(|x| required(x, c.name()).map(String::from))
+    .collect::<PolarsResult<_>>()?);
 leaf!(
     Option<String>,
     "string (nullable)",
@@ -60,8 +65,8 @@ leaf!(
 leaf!(i64, "int64", |n, v| Column::new(n.into(), v), |c| c
     .i64()?
     .iter()
-    .map(|x| x.unwrap_or_default())
-    .collect());
+    .map(|x| required(x, c.name()))
+    .collect::<PolarsResult<_>>()?);
 leaf!(
     Option<i64>,
     "int64 (nullable)",
@@ -71,8 +76,8 @@ leaf!(
 leaf!(f64, "double", |n, v| Column::new(n.into(), v), |c| c
     .f64()?
     .iter()
-    .map(|x| x.unwrap_or(f64::NAN))
-    .collect());
+    .map(|x| required(x, c.name()))
+    .collect::<PolarsResult<_>>()?);
 leaf!(
     Option<f64>,
     "double (nullable)",
@@ -82,8 +87,8 @@ leaf!(
 leaf!(bool, "bool", |n, v| Column::new(n.into(), v), |c| c
     .bool()?
     .iter()
-    .map(|x| x.unwrap_or(false))
-    .collect());
+    .map(|x| required(x, c.name()))
+    .collect::<PolarsResult<_>>()?);
 leaf!(
     Option<bool>,
     "bool (nullable)",
@@ -102,8 +107,12 @@ leaf!(
         let mut out = Vec::with_capacity(lc.len());
         for i in 0..lc.len() {
             out.push(match lc.get_as_series(i) {
-                Some(s) => s.u32()?.into_no_null_iter().collect(),
-                None => Vec::new(),
+                Some(s) => s
+                    .u32()?
+                    .iter()
+                    .map(|x| required(x, c.name()))
+                    .collect::<PolarsResult<_>>()?,
+                None => required(None, c.name())?,
             });
         }
         out
@@ -124,9 +133,9 @@ leaf!(
                 Some(s) => s
                     .str()?
                     .iter()
-                    .map(|v| v.unwrap_or_default().to_string())
-                    .collect(),
-                None => Vec::new(),
+                    .map(|v| required(v, c.name()).map(String::from))
+                    .collect::<PolarsResult<_>>()?,
+                None => required(None, c.name())?,
             });
         }
         out

@@ -11,7 +11,8 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// Outcome columns compared, as both schemas name them.
+/// Outcome columns compared, as both schemas name them (a column only one
+/// run has, such as a measure added later, is skipped).
 pub const COMPARED: &[&str] = &[
     "continuation",
     "continuation_ids",
@@ -24,6 +25,7 @@ pub const COMPARED: &[&str] = &[
     "fact_tokens",
     "fidelity_cosine",
     "achieved_cosine",
+    "logit_correlation",
 ];
 
 /// What a comparison found.
@@ -86,6 +88,7 @@ fn load(dir: &Path) -> Result<(usize, Keyed)> {
         let item = texts(&df, "item_id")?;
         let cols: Vec<(String, Vec<Option<String>>)> = COMPARED
             .iter()
+            .filter(|c| df.column(c).is_ok())
             .map(|c| Ok((c.to_string(), texts(&df, c)?)))
             .collect::<Result<_>>()?;
         for i in 0..df.height() {
@@ -124,7 +127,9 @@ pub fn compare_runs(a: &Path, b: &Path) -> Result<Comparison> {
         let Some(vb) = kb.get(key) else { continue };
         matched += 1;
         for c in COMPARED {
-            let (x, y) = (&va[*c], &vb[*c]);
+            let (Some(x), Some(y)) = (va.get(*c), vb.get(*c)) else {
+                continue;
+            };
             if let (Some(x), Some(y)) = (x, y) {
                 if let (Ok(p), Ok(q)) = (x.parse::<f64>(), y.parse::<f64>()) {
                     if p.is_finite() && q.is_finite() && x.contains('e') {

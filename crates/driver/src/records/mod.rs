@@ -177,7 +177,8 @@ pub fn write_parquet_atomic(df: &mut DataFrame, path: &Path) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
-    let tmp = dir.join(format!(".{name}.tmp"));
+    // The process id keeps concurrent shards' temporaries apart.
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     // The Arrow schema embedded for other readers: large strings and lists.
     let arrow = df.schema().to_arrow(CompatLevel::oldest());
     let key = polars_parquet::arrow::write::schema_to_metadata_key(&arrow);
@@ -195,11 +196,10 @@ pub fn write_parquet_atomic(df: &mut DataFrame, path: &Path) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    std::fs::rename(&tmp, path).map_err(io(format!(
-        "renaming {} to {}",
-        tmp.display(),
-        path.display()
-    )))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io(format!("renaming {} to {}", tmp.display(), path.display()))(e)
+    })?;
     Ok(())
 }
 
@@ -296,9 +296,16 @@ mod tests {
         write_rows(vec![row.clone(), row.clone()], &p).unwrap();
         let back: Vec<ItemRow> = columns::rows(&read_parquet(&p).unwrap()).unwrap();
         assert_eq!(back, vec![row.clone(), row.clone()]);
-        assert!(!dir.path().join(".x.parquet.tmp").exists());
-        // A write that fails names the file and leaves neither it nor a temporary.
-        std::fs::create_dir(dir.path().join(".y.parquet.tmp")).unwrap();
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(left, ["x.parquet"]);
+        // A write that fails names the file and leaves nothing under its name.
+        let tmp = dir
+            .path()
+            .join(format!(".y.parquet.tmp-{}", std::process::id()));
+        std::fs::create_dir(&tmp).unwrap();
         let y = dir.path().join("y.parquet");
         let e = write_rows(vec![row], &y).unwrap_err().to_string();
         assert!(e.contains(".y.parquet.tmp"), "{e}");

@@ -75,6 +75,10 @@ impl ResourceKind for KeyBankSpec {
         "key_bank"
     }
 
+    fn version(&self) -> u32 {
+        1
+    }
+
     fn validate(
         &self,
         field: &str,
@@ -100,7 +104,7 @@ impl ResourceKind for KeyBankSpec {
     }
 
     fn training_items(&self, cx: &TrainCx) -> Result<Vec<SplitItem>> {
-        sample_training(cx, self.data, self.contexts, self.seed, "key bank")
+        sample_training(cx, self.data, self.contexts, self.seed)
     }
 
     fn build(&self, cx: &BuildCx, items: &[SplitItem]) -> Result<Value> {
@@ -147,7 +151,8 @@ impl ResourceKind for KeyBankSpec {
                 let have = all.dims()[0];
                 if self.size > have {
                     return Err(DriverError::Config(format!(
-                        "key bank: a bank of {} keys is larger than the {have} genuine keys available in {} training passages; raise `contexts` or lower `size`",
+                        "{}: a bank of {} keys is larger than the {have} genuine keys available in {} training passages; raise `contexts` or lower `size`",
+                        cx.train.field,
                         self.size,
                         items.len()
                     )));
@@ -190,6 +195,38 @@ impl ResourceKind for KeyBankSpec {
             );
         }
         Ok(Arc::new(KeyBank { keys }))
+    }
+
+    fn check(&self, value: &Value, cfg: &ModelConfig) -> Result<()> {
+        let bank = downcast::<KeyBank>(value, "key bank")?;
+        let bad = |m: String| Err(DriverError::Records(format!("key bank: {m}")));
+        if bank.keys.len() != cfg.n_layers {
+            return bad(format!(
+                "{} layers, the receiver has {}",
+                bank.keys.len(),
+                cfg.n_layers
+            ));
+        }
+        for (l, heads) in bank.keys.iter().enumerate() {
+            if heads.len() != cfg.n_kv_heads {
+                return bad(format!(
+                    "layer {l} has {} kv heads, the receiver {}",
+                    heads.len(),
+                    cfg.n_kv_heads
+                ));
+            }
+            for t in heads {
+                if t.dims() != [self.size, cfg.head_dim] {
+                    return bad(format!(
+                        "layer {l} holds {:?}, expected [{}, {}]",
+                        t.dims(),
+                        self.size,
+                        cfg.head_dim
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     fn describe(&self) -> String {

@@ -53,6 +53,10 @@ impl ResourceKind for CodebookSpec {
         "codebook"
     }
 
+    fn version(&self) -> u32 {
+        1
+    }
+
     fn deps(&self) -> Vec<String> {
         vec![self.bank.clone()]
     }
@@ -78,23 +82,16 @@ impl ResourceKind for CodebookSpec {
                 )))
             }
         };
-        if self.size == 0 {
-            return Err(DriverError::Config(format!(
-                "{field}: `size` must be at least 1"
-            )));
-        }
-        if self.size > bank.size {
-            return Err(DriverError::Config(format!(
-                "{field}: a codebook of {} entries is larger than its bank of {} keys",
-                self.size, bank.size
-            )));
-        }
-        if self.construction == Construction::Pca && self.size > cfg.head_dim {
-            return Err(DriverError::Config(format!(
-                "{field}: {} principal components of {}-dimensional keys",
-                self.size, cfg.head_dim
-            )));
-        }
+        // L2 snapping adds no condition: the size checks alone (the plan
+        // checks each arm's snapping rule).
+        tolerable_carrier::codebook::validate(
+            self.construction,
+            self.size,
+            bank.size,
+            cfg.head_dim,
+            tolerable_carrier::Snapping::L2,
+        )
+        .map_err(|e| DriverError::Config(format!("{field}: {e}")))?;
         Ok(())
     }
 
@@ -106,8 +103,8 @@ impl ResourceKind for CodebookSpec {
     fn build(&self, cx: &BuildCx, _items: &[SplitItem]) -> Result<Value> {
         let bank = cx.deps.get(&self.bank).ok_or_else(|| {
             DriverError::Config(format!(
-                "codebook: its bank `{}` was not built first",
-                self.bank
+                "{}: its bank `{}` was not built first",
+                cx.train.field, self.bank
             ))
         })?;
         let bank = downcast::<KeyBank>(bank, "key bank")?;
@@ -184,6 +181,26 @@ impl ResourceKind for CodebookSpec {
             books.push(row);
         }
         Ok(Arc::new(CodebookSet { books }))
+    }
+
+    fn check(&self, value: &Value, cfg: &ModelConfig) -> Result<()> {
+        let set = downcast::<CodebookSet>(value, "codebook")?;
+        let ok = set.books.len() == cfg.n_layers
+            && set.books.iter().all(|h| {
+                h.len() == cfg.n_kv_heads
+                    && h.iter()
+                        .all(|b| b.dim() == cfg.head_dim && b.construction() == self.construction)
+            });
+        if !ok {
+            return Err(DriverError::Records(format!(
+                "codebook: its layout does not match the receiver ({} layers x {} kv heads x {} dims, {})",
+                cfg.n_layers,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                self.construction.name()
+            )));
+        }
+        Ok(())
     }
 
     fn describe(&self) -> String {

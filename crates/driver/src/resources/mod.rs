@@ -64,6 +64,8 @@ pub struct TrainCx<'a> {
     pub data: &'a BTreeMap<String, PathBuf>,
     /// Ids and passages of the run's evaluation items.
     pub eval: &'a EvalSet,
+    /// The config table of the resource (`[resources.<name>]`), for errors.
+    pub field: String,
 }
 
 /// What building a resource may read: its training context, the receiver,
@@ -91,6 +93,9 @@ pub struct EvalSet {
 pub trait ResourceKind {
     /// Kind name (`key_bank`, `codebook`).
     fn kind(&self) -> &'static str;
+    /// Version of how this kind is built and saved: part of the content
+    /// hash, so a change to the construction never reuses old files.
+    fn version(&self) -> u32;
     /// Names of the resources it is fitted on.
     fn deps(&self) -> Vec<String> {
         Vec::new()
@@ -111,6 +116,9 @@ pub trait ResourceKind {
     fn save(&self, value: &Value, path: &Path) -> Result<()>;
     /// Reads a value written by `save`.
     fn load(&self, path: &Path) -> Result<Value>;
+    /// Checks a value (built or loaded) against the receiver's geometry and
+    /// the spec; a loaded value that fails is rebuilt.
+    fn check(&self, value: &Value, cfg: &tolerable_runtime::ModelConfig) -> Result<()>;
     /// A one-line description for plans and logs.
     fn describe(&self) -> String;
     /// Forward tokens building it costs, roughly (for plan estimates).
@@ -119,19 +127,47 @@ pub trait ResourceKind {
     }
 }
 
-/// The content hash of a resource: its spec, the receiver's sha256, the
-/// training item ids and its dependencies' hashes (16 hex digits).
-pub fn content_hash(
-    spec: &ResourceSpec,
-    model_sha256: &str,
-    item_ids: &[String],
-    dep_hashes: &BTreeMap<String, String>,
-) -> String {
+/// What a resource's value depends on besides its spec.
+#[derive(Debug, Clone)]
+pub struct HashInputs<'a> {
+    /// sha256 of the receiver's weights (as verified on load).
+    pub model_sha256: &'a str,
+    /// The precision the receiver runs in.
+    pub precision: &'a str,
+    /// How training contexts are built (template, length cap, filler).
+    pub split: &'a SplitOptions,
+    /// The training items, whose ids and context token ids are hashed.
+    pub items: &'a [SplitItem],
+    /// The content hashes of the resources it is fitted on.
+    pub deps: &'a BTreeMap<String, String>,
+}
+
+/// The content hash of a resource (16 hex digits): its kind's build
+/// version, its spec, the receiver's sha256 and precision, the prompt
+/// settings, the training items (ids and the token ids of their contexts)
+/// and its dependencies' hashes. Anything that changes the value changes it.
+pub fn content_hash(spec: &ResourceSpec, inputs: &HashInputs) -> String {
+    let mut tokens = Sha256::new();
+    for it in inputs.items {
+        for t in it.pair().alt_context() {
+            tokens.update(t.to_le_bytes());
+        }
+        tokens.update(u32::MAX.to_le_bytes());
+    }
+    let tokens: String = tokens
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let canon = serde_json::json!({
+        "kind_version": spec.kind().version(),
         "spec": spec,
-        "model_sha256": model_sha256,
-        "items": item_ids,
-        "deps": dep_hashes,
+        "model_sha256": inputs.model_sha256,
+        "precision": inputs.precision,
+        "split": inputs.split,
+        "items": inputs.items.iter().map(|i| i.item.id.as_str()).collect::<Vec<_>>(),
+        "context_tokens_sha256": tokens,
+        "deps": inputs.deps,
     });
     let mut h = Sha256::new();
     h.update(canon.to_string().as_bytes());
@@ -140,6 +176,68 @@ pub fn content_hash(
         .take(8)
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+/// A resource of a plan with its training items and content hash.
+#[derive(Debug, Clone)]
+pub struct Hashed {
+    /// Its name.
+    pub name: String,
+    /// Its spec.
+    pub spec: ResourceSpec,
+    /// The training items it is fitted on.
+    pub items: Vec<SplitItem>,
+    /// Its content hash.
+    pub hash: String,
+}
+
+/// The training items and content hash of every resource of `resources`
+/// (in build order; a dependency's hash goes into its dependants').
+/// Chooses training items with the tokenizer only: no model runs.
+pub fn hash_all(
+    resources: &[(String, ResourceSpec)],
+    train: &TrainCx,
+    model_sha256: &str,
+    precision: &str,
+) -> Result<Vec<Hashed>> {
+    let mut out: Vec<Hashed> = Vec::new();
+    for (name, spec) in resources {
+        let kind = spec.kind();
+        let cx = TrainCx {
+            field: format!("[resources.{name}]"),
+            ..*train
+        };
+        let items = kind.training_items(&cx)?;
+        let deps: BTreeMap<String, String> = kind
+            .deps()
+            .into_iter()
+            .map(|d| {
+                let h = out
+                    .iter()
+                    .find(|o| o.name == d)
+                    .map(|o| o.hash.clone())
+                    .unwrap_or_default();
+                (d, h)
+            })
+            .collect();
+        let hash = content_hash(
+            spec,
+            &HashInputs {
+                model_sha256,
+                precision,
+                split: train.split,
+                items: &items,
+                deps: &deps,
+            },
+        );
+        out.push(Hashed {
+            name: name.clone(),
+            spec: spec.clone(),
+            items,
+            hash,
+        });
+    }
+    Ok(out)
 }
 
 /// The resources of a run in dependency order (a resource after those it is
@@ -190,8 +288,8 @@ pub fn sample_training(
     source: DataSource,
     n: usize,
     seed: u64,
-    field: &str,
 ) -> Result<Vec<SplitItem>> {
+    let field = cx.field.as_str();
     let raw = match source {
         DataSource::SquadTrain => {
             let path = tolerable_probe::squad::resolve_path(
@@ -221,4 +319,109 @@ pub fn sample_training(
     let sample = tolerable_probe::sample::sample(&distinct, cx.tokenizer, cx.split, n, seed)
         .map_err(|e| DriverError::Config(format!("{field}: training items: {e}")))?;
     Ok(sample.items)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tolerable_probe::{QaItem, Template};
+
+    fn item(id: &str, passage: Vec<u32>) -> SplitItem {
+        SplitItem {
+            item: QaItem {
+                id: id.into(),
+                title: "t".into(),
+                context: "c".into(),
+                question: "q".into(),
+                answers: vec!["a".into()],
+            },
+            prefix_ids: vec![1, 2],
+            full_passage: passage.clone(),
+            masked_passage: passage.iter().map(|_| 9).collect(),
+            suffix_ids: vec![3],
+            fact_region: vec![0],
+            n_answer_spans: 1,
+        }
+    }
+
+    #[test]
+    fn the_content_hash_changes_with_everything_the_value_depends_on() {
+        let spec = ResourceSpec::KeyBank(KeyBankSpec {
+            size: 10,
+            contexts: 2,
+            data: DataSource::SquadTrain,
+            seed: 0,
+        });
+        let split = SplitOptions::default();
+        let items = vec![item("a", vec![5, 6]), item("b", vec![7])];
+        let deps = BTreeMap::new();
+        let inputs = HashInputs {
+            model_sha256: "m",
+            precision: "f32",
+            split: &split,
+            items: &items,
+            deps: &deps,
+        };
+        let h = content_hash(&spec, &inputs);
+        assert_eq!(h, content_hash(&spec, &inputs));
+        let chat = SplitOptions {
+            template: Template::Chat,
+            ..SplitOptions::default()
+        };
+        let other_tokens = vec![item("a", vec![5, 8]), item("b", vec![7])];
+        let other_spec = ResourceSpec::KeyBank(KeyBankSpec {
+            size: 11,
+            contexts: 2,
+            data: DataSource::SquadTrain,
+            seed: 0,
+        });
+        let dep = BTreeMap::from([("x".to_string(), "h".to_string())]);
+        for changed in [
+            content_hash(&other_spec, &inputs),
+            content_hash(
+                &spec,
+                &HashInputs {
+                    model_sha256: "n",
+                    ..inputs.clone()
+                },
+            ),
+            content_hash(
+                &spec,
+                &HashInputs {
+                    precision: "quantized",
+                    ..inputs.clone()
+                },
+            ),
+            content_hash(
+                &spec,
+                &HashInputs {
+                    split: &chat,
+                    ..inputs.clone()
+                },
+            ),
+            content_hash(
+                &spec,
+                &HashInputs {
+                    items: &other_tokens,
+                    ..inputs.clone()
+                },
+            ),
+            content_hash(
+                &spec,
+                &HashInputs {
+                    items: &items[..1],
+                    ..inputs.clone()
+                },
+            ),
+            content_hash(
+                &spec,
+                &HashInputs {
+                    deps: &dep,
+                    ..inputs.clone()
+                },
+            ),
+        ] {
+            assert_ne!(changed, h);
+        }
+    }
 }

@@ -71,13 +71,14 @@ impl Store {
         self.root.join(format!("{kind}-{hash}"))
     }
 
-    /// Whether a usable copy exists (metadata matches, checksum not checked).
-    pub fn is_cached(&self, kind: &str, hash: &str) -> bool {
+    /// Whether a copy with matching metadata (hash and model) exists; its
+    /// checksum and layout are checked when it is loaded.
+    pub fn is_cached(&self, kind: &str, hash: &str, model_sha256: &str) -> bool {
         let meta = self.folder(kind, hash).join("meta.json");
         std::fs::read_to_string(meta)
             .ok()
             .and_then(|t| serde_json::from_str::<Meta>(&t).ok())
-            .is_some_and(|m| m.hash == hash)
+            .is_some_and(|m| m.hash == hash && m.model_sha256 == model_sha256)
     }
 
     /// The cached value of `spec` with `hash`, or why it cannot be used
@@ -87,6 +88,7 @@ impl Store {
         spec: &ResourceSpec,
         hash: &str,
         model_sha256: &str,
+        cfg: &tolerable_runtime::ModelConfig,
     ) -> Result<std::result::Result<(Value, Meta), String>> {
         let kind = spec.kind();
         let dir = self.folder(kind.kind(), hash);
@@ -126,13 +128,18 @@ impl Store {
                 value_path.display()
             )));
         }
-        match kind.load(&value_path) {
+        match kind
+            .load(&value_path)
+            .and_then(|v| kind.check(&v, cfg).map(|_| v))
+        {
             Ok(v) => Ok(Ok((v, meta))),
             Err(e) => Ok(Err(format!("{}: {e}", value_path.display()))),
         }
     }
 
     /// Saves a built value atomically (a temporary folder, then a rename).
+    /// A failed save leaves no temporary folder; when another process (a
+    /// shard) saved the same hash first, its copy is kept.
     pub fn save(&self, value: &Value, meta: &Meta) -> Result<()> {
         let kind = meta.spec.kind();
         let dir = self.folder(kind.kind(), &meta.hash);
@@ -144,25 +151,34 @@ impl Store {
             meta.hash,
             std::process::id()
         ));
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(io(format!("removing {}", tmp.display())))?;
+        let written = (|| -> Result<()> {
+            if tmp.exists() {
+                std::fs::remove_dir_all(&tmp).map_err(io(format!("removing {}", tmp.display())))?;
+            }
+            std::fs::create_dir_all(&tmp).map_err(io(format!("creating {}", tmp.display())))?;
+            let value_path = tmp.join("value.safetensors");
+            kind.save(value, &value_path)?;
+            let mut meta = meta.clone();
+            meta.value_sha256 = file_sha256(&value_path)?;
+            let text = serde_json::to_string_pretty(&meta).unwrap_or_default();
+            std::fs::write(tmp.join("meta.json"), text)
+                .map_err(io(format!("writing {}", tmp.join("meta.json").display())))?;
+            if dir.exists() {
+                std::fs::remove_dir_all(&dir).map_err(io(format!("removing {}", dir.display())))?;
+            }
+            std::fs::rename(&tmp, &dir).map_err(io(format!(
+                "renaming {} to {}",
+                tmp.display(),
+                dir.display()
+            )))
+        })();
+        if written.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+            // Another shard may have saved the same hash meanwhile: keep it.
+            if self.is_cached(kind.kind(), &meta.hash, &meta.model_sha256) {
+                return Ok(());
+            }
         }
-        std::fs::create_dir_all(&tmp).map_err(io(format!("creating {}", tmp.display())))?;
-        let value_path = tmp.join("value.safetensors");
-        kind.save(value, &value_path)?;
-        let mut meta = meta.clone();
-        meta.value_sha256 = file_sha256(&value_path)?;
-        let text = serde_json::to_string_pretty(&meta).unwrap_or_default();
-        std::fs::write(tmp.join("meta.json"), text)
-            .map_err(io(format!("writing {}", tmp.join("meta.json").display())))?;
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(io(format!("removing {}", dir.display())))?;
-        }
-        std::fs::rename(&tmp, &dir).map_err(io(format!(
-            "renaming {} to {}",
-            tmp.display(),
-            dir.display()
-        )))?;
-        Ok(())
+        written
     }
 }
