@@ -843,3 +843,21 @@ fn finish(cfg: &SweepConfig, dir: &Path, n_cells: usize, computed: usize) -> Res
     out.summary_written = true;
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_output_folder_without_room_is_refused_before_any_work() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        check_writable(&out, bytes_needed(10, 3)).unwrap();
+        let e = check_writable(&out, u64::MAX).unwrap_err().to_string();
+        assert!(e.contains("MiB free") && e.contains("need about"), "{e}");
+        let e = check_writable(&dir.path().join("run/items/x/\0"), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot be created"), "{e}");
+    }
+}
