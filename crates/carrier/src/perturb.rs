@@ -1,6 +1,6 @@
 //! Perturbations of a carrier: cosine-calibrated isotropic noise, sparse
-//! damage, integer quantization round trips — and, as data for later
-//! experiments, on-manifold moves toward genuine neighbours.
+//! damage and dense damage matched to its cosine, destruction of whole
+//! sites (heads, layers), and integer quantization round trips.
 
 use crate::error::{CarrierError, Result};
 use crate::rng::Gaussian;
@@ -19,9 +19,19 @@ pub enum Perturbation {
     },
     /// Destroys (zeroes) a random fraction of the coordinates.
     SparseDamage {
-        /// Fraction of coordinates destroyed, in [0, 1].
+        /// Fraction of coordinates destroyed, in [0, 1).
         fraction: f64,
     },
+    /// Dense damage at matched cosine: isotropic noise calibrated to the
+    /// cosine that sparse damage of `fraction` (drawn with the same seed)
+    /// reaches on the same sites — the dense counterpart of `sparse_damage`.
+    DenseMatched {
+        /// Fraction of the sparse damage it is matched to, in [0, 1).
+        fraction: f64,
+    },
+    /// Destroys (zeroes) every coordinate at the sites: whole heads or
+    /// whole layers, by the injection's `heads` and `layers`.
+    Destroy,
     /// A symmetric per-vector integer round trip.
     Quantize {
         /// Bits per coordinate (8 or 4).
@@ -35,6 +45,8 @@ impl Perturbation {
         match self {
             Perturbation::CosineNoise { .. } => "cosine_noise",
             Perturbation::SparseDamage { .. } => "sparse_damage",
+            Perturbation::DenseMatched { .. } => "dense_matched",
+            Perturbation::Destroy => "destroy",
             Perturbation::Quantize { .. } => "quantize",
         }
     }
@@ -56,11 +68,14 @@ impl Perturbation {
                     return bad(format!("target_cosine {target_cosine} is not in (0, 1]"));
                 }
             }
-            Perturbation::SparseDamage { fraction } => {
-                if !(0.0..=1.0).contains(fraction) {
-                    return bad(format!("fraction {fraction} is not in [0, 1]"));
+            Perturbation::SparseDamage { fraction } | Perturbation::DenseMatched { fraction } => {
+                if !(0.0..1.0).contains(fraction) {
+                    return bad(format!(
+                        "fraction {fraction} is not in [0, 1) (to destroy every coordinate, use `kind = \"destroy\"`)"
+                    ));
                 }
             }
+            Perturbation::Destroy => {}
             Perturbation::Quantize { bits } => {
                 if !matches!(bits, 4 | 8) {
                     return bad(format!("bits {bits}: only 8 and 4 are supported"));
@@ -89,26 +104,18 @@ impl Perturbation {
         let mut rng = Gaussian::new(seed);
         let out: Vec<f32> = match self {
             Perturbation::CosineNoise { target_cosine } => {
-                let noise: Vec<f32> = (0..xs.len()).map(|_| rng.next() as f32).collect();
-                let (mut a, mut b, mut e) = (0f64, 0f64, 0f64);
-                for i in 0..xs.len() {
-                    if ms[i] {
-                        let (xi, ni) = (xs[i] as f64, noise[i] as f64);
-                        a += xi * xi;
-                        b += xi * ni;
-                        e += ni * ni;
-                    }
-                }
-                let s = noise_scale(a, b, e, *target_cosine);
-                xs.iter()
-                    .zip(&noise)
-                    .map(|(&xi, &ni)| xi + (s * ni as f64) as f32)
-                    .collect()
+                cosine_noise(&xs, &ms, *target_cosine, &mut rng)
             }
-            Perturbation::SparseDamage { fraction } => xs
-                .iter()
-                .map(|&xi| if rng.uniform() < *fraction { 0.0 } else { xi })
-                .collect(),
+            Perturbation::SparseDamage { fraction } => sparse_damage(&xs, *fraction, &mut rng),
+            Perturbation::DenseMatched { fraction } => {
+                let sparse = sparse_damage(&xs, *fraction, &mut rng);
+                let c = masked_cosine(&sparse, &xs, &ms);
+                // The noise draws its own stream, so the match is to the
+                // sparse damage this seed gives, not a re-use of its draws.
+                let mut noise_rng = Gaussian::new(seed ^ 0xD15E_A5ED_0000_0001);
+                cosine_noise(&xs, &ms, c, &mut noise_rng)
+            }
+            Perturbation::Destroy => vec![0.0; xs.len()],
             Perturbation::Quantize { bits } => {
                 let last = *dims.last().unwrap_or(&1);
                 let qmax = ((1i32 << (bits - 1)) - 1) as f32;
@@ -130,6 +137,50 @@ impl Perturbation {
             .map(|((o, &x), &m)| if m { o } else { x })
             .collect();
         Ok(Tensor::from_vec(out, dims, x.device())?.to_dtype(x.dtype())?)
+    }
+}
+
+/// `xs` plus isotropic Gaussian noise scaled so that its cosine to `xs` over
+/// the masked cells is `target`.
+fn cosine_noise(xs: &[f32], ms: &[bool], target: f64, rng: &mut Gaussian) -> Vec<f32> {
+    let noise: Vec<f32> = (0..xs.len()).map(|_| rng.next() as f32).collect();
+    let (mut a, mut b, mut e) = (0f64, 0f64, 0f64);
+    for i in 0..xs.len() {
+        if ms[i] {
+            let (xi, ni) = (xs[i] as f64, noise[i] as f64);
+            a += xi * xi;
+            b += xi * ni;
+            e += ni * ni;
+        }
+    }
+    let s = noise_scale(a, b, e, target);
+    xs.iter()
+        .zip(&noise)
+        .map(|(&xi, &ni)| xi + (s * ni as f64) as f32)
+        .collect()
+}
+
+/// `xs` with each coordinate zeroed with probability `fraction`.
+fn sparse_damage(xs: &[f32], fraction: f64, rng: &mut Gaussian) -> Vec<f32> {
+    xs.iter()
+        .map(|&xi| if rng.uniform() < fraction { 0.0 } else { xi })
+        .collect()
+}
+
+/// Cosine of `a` to `b` over the masked cells (1 when either is zero there).
+fn masked_cosine(a: &[f32], b: &[f32], ms: &[bool]) -> f64 {
+    let (mut d, mut na, mut nb) = (0f64, 0f64, 0f64);
+    for ((&x, &y), &m) in a.iter().zip(b).zip(ms) {
+        if m {
+            d += x as f64 * y as f64;
+            na += (x as f64).powi(2);
+            nb += (y as f64).powi(2);
+        }
+    }
+    if na > 0.0 && nb > 0.0 {
+        d / (na.sqrt() * nb.sqrt())
+    } else {
+        1.0
     }
 }
 
@@ -190,6 +241,28 @@ mod tests {
     }
 
     #[test]
+    fn dense_damage_reaches_the_cosine_of_sparse_damage_of_the_same_seed() {
+        let x: Vec<f32> = (0..4096)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 9.0)
+            .collect();
+        let t = Tensor::from_vec(x.clone(), (1, 2, 32, 64), &Device::Cpu).unwrap();
+        for fraction in [0.01, 0.05, 0.2] {
+            let sparse = applied(&Perturbation::SparseDamage { fraction }, &t, None, 3);
+            let dense = applied(&Perturbation::DenseMatched { fraction }, &t, None, 3);
+            let (cs, cd) = (cos(&x, &sparse), cos(&x, &dense));
+            assert!(
+                (cs - cd).abs() < 1e-4,
+                "{fraction}: sparse {cs}, dense {cd}"
+            );
+            // Dense: every coordinate moved; sparse: only the zeroed ones.
+            let moved = dense.iter().zip(&x).filter(|(a, b)| a != b).count();
+            assert!(moved > x.len() * 9 / 10, "{moved}");
+        }
+        let gone = applied(&Perturbation::Destroy, &t, None, 1);
+        assert!(gone.iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
     fn perturbations_touch_only_the_sites() {
         let x: Vec<f32> = (0..64).map(|i| i as f32 + 1.0).collect();
         let t = Tensor::from_vec(x.clone(), (1, 8, 8), &Device::Cpu).unwrap();
@@ -198,6 +271,8 @@ mod tests {
         for p in [
             Perturbation::CosineNoise { target_cosine: 0.9 },
             Perturbation::SparseDamage { fraction: 0.5 },
+            Perturbation::DenseMatched { fraction: 0.5 },
+            Perturbation::Destroy,
             Perturbation::Quantize { bits: 4 },
         ] {
             let y = applied(&p, &t, Some(&mask), 1);
@@ -211,6 +286,14 @@ mod tests {
             }
         }
         assert!(Perturbation::Quantize { bits: 3 }.validate("p").is_err());
+        let e = Perturbation::SparseDamage { fraction: 1.0 }
+            .validate("arms[0].inject[0].perturb")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[0, 1)") && e.contains("destroy"), "{e}");
+        assert!(Perturbation::DenseMatched { fraction: -0.1 }
+            .validate("p")
+            .is_err());
         assert!(Perturbation::CosineNoise { target_cosine: 1.5 }
             .validate("p")
             .is_err());

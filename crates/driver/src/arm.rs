@@ -179,9 +179,31 @@ pub struct Injection {
     /// The weight of interpolate and add.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub alpha: Option<f64>,
+    /// A move of the source toward another state before injection (genuine
+    /// interpolation), applied after any bank or codebook substitution and
+    /// before `perturb`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blend: Option<Blend>,
     /// A perturbation of the source before injection.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub perturb: Option<Perturbation>,
+}
+
+/// Genuine interpolation (PROTOCOL §5): the source moved toward another
+/// pass's state at the sites both hold — by a weight, or by the weight that
+/// brings its cosine to the source to a target (matched to cosine noise).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Blend {
+    /// The state moved toward: `other_item` (another item's cache: the
+    /// genuine cache of the paper), or `own`, `native`, `holder`.
+    pub toward: Source,
+    /// A fixed weight: source + alpha (toward - source).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alpha: Option<f64>,
+    /// The cosine to the source the blend reaches, per item and layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_cosine: Option<f64>,
 }
 
 fn all_layers() -> LayerSet {
@@ -313,6 +335,11 @@ pub struct Arm {
     /// A per-item bit-exact gate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expect: Option<Expect>,
+    /// Draw random numbers as the arm of this name does (seeds mix the
+    /// arm's name otherwise): paired arms, such as sparse damage and the
+    /// dense damage matched to it, then see the same draws.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed_as: Option<String>,
 }
 
 impl Arm {
@@ -335,6 +362,7 @@ impl Arm {
             bridge: None,
             controls: Vec::new(),
             expect: None,
+            seed_as: None,
         }
     }
 

@@ -81,6 +81,7 @@ fn mean(v: &[f64]) -> Option<f64> {
 #[allow(clippy::too_many_arguments)]
 fn transform_cx<'a>(
     step: &'a Step,
+    base: crate::arm::Base,
     source_geometry: &'a Geometry,
     seed_of: &'a dyn Fn(usize, u64) -> u64,
     cx: &'a ItemCx,
@@ -97,6 +98,8 @@ fn transform_cx<'a>(
         resources: cx.resources,
         memo: cx.memo,
         chain,
+        passes: cx.passes,
+        base,
     }
 }
 
@@ -131,9 +134,10 @@ fn source_value(
         .into_iter()
         .filter(|&p| p < have)
         .collect();
-    // Perturbations are seeded by the run, the item, the arm's name, the
-    // injection, the layer and which tensor: reordering arms changes nothing.
-    let arm_key = name_key(&program.name);
+    // Perturbations are seeded by the run, the item, the arm's name (or the
+    // name it draws as), the injection, the layer and which tensor:
+    // reordering arms changes nothing.
+    let arm_key = name_key(&program.seed_key);
     let seed_of = |l: usize, which: u64| {
         mix(
             cx.seed,
@@ -144,19 +148,19 @@ fn source_value(
     for t in &step.transforms {
         let moved = t.sites(
             sites.clone(),
-            &transform_cx(step, &sg, &seed_of, cx, &sites, &chain),
+            &transform_cx(step, program.base, &sg, &seed_of, cx, &sites, &chain),
         );
         sites = moved;
         let (v, ach) = t.apply(
             value,
-            &transform_cx(step, &sg, &seed_of, cx, &sites, &chain),
+            &transform_cx(step, program.base, &sg, &seed_of, cx, &sites, &chain),
         )?;
         value = v;
         achieved.extend(ach);
         // The chain keys shared work: a seeded transform makes it the arm's own.
         chain.push_str(&format!("|{t:?}"));
         if t.seeded() {
-            chain.push_str(&format!("#{}", program.name));
+            chain.push_str(&format!("#{}", program.seed_key));
         }
     }
     // A residual source of another length is fitted to the receiver's:

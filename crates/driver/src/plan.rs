@@ -11,7 +11,9 @@ use crate::error::{DriverError, Result};
 use crate::passes::PassNeeds;
 use crate::resources::{build_order, ResourceSpec};
 use crate::sources::{PassSource, Source};
-use crate::transforms::{BankPick, BankSubstitute, CodebookSnap, Displace, Perturb, Transform};
+use crate::transforms::{
+    BankPick, BankSubstitute, BlendBy, BlendToward, CodebookSnap, Displace, Perturb, Transform,
+};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -61,6 +63,8 @@ pub struct ArmProgram {
     pub expect: Option<Expect>,
     /// Resources it reads (by name).
     pub resources: Vec<String>,
+    /// The name its random draws are keyed by (its own, or `seed_as`).
+    pub seed_key: String,
 }
 
 impl ArmProgram {
@@ -462,6 +466,48 @@ fn compile_arm(
                 ))
             }
         };
+        if let Some(b) = &inj.blend {
+            let toward: Arc<dyn Source> = match &b.toward {
+                SourceSpec::Own => Arc::new(PassSource::own()),
+                SourceSpec::Native => Arc::new(PassSource::native()),
+                SourceSpec::Holder => Arc::new(PassSource::holder()),
+                SourceSpec::OtherItem => Arc::new(PassSource::other_item()),
+                other => {
+                    return Err(bad(
+                        arm,
+                        f("blend.toward"),
+                        format!("a blend moves toward a pass's state (own, native, holder, other_item), not `{}`", other.name()),
+                    ))
+                }
+            };
+            let by = match (b.alpha, b.target_cosine) {
+                (Some(a), None) if a.is_finite() => BlendBy::Alpha(a),
+                (Some(a), None) => {
+                    return Err(bad(
+                        arm,
+                        f("blend.alpha"),
+                        format!("alpha {a} is not finite"),
+                    ))
+                }
+                (None, Some(c)) if c > -1.0 && c <= 1.0 => BlendBy::Cosine(c),
+                (None, Some(c)) => {
+                    return Err(bad(
+                        arm,
+                        f("blend.target_cosine"),
+                        format!("target cosine {c} is not in (-1, 1]"),
+                    ))
+                }
+                _ => {
+                    return Err(bad(
+                        arm,
+                        f("blend"),
+                        "name exactly one of `alpha` and `target_cosine`",
+                    ))
+                }
+            };
+            toward.needs(arm.base, inj.carrier, &layers, needs);
+            transforms.push(Arc::new(BlendToward { toward, by }));
+        }
         if let Some(p) = &inj.perturb {
             p.validate(&f("perturb"))?;
             transforms.push(Arc::new(Perturb(p.clone())));
@@ -517,6 +563,7 @@ fn compile_arm(
         cache_steps,
         expect: arm.expect,
         resources,
+        seed_key: arm.seed_as.clone().unwrap_or_else(|| arm.name.clone()),
     })
 }
 

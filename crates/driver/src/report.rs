@@ -241,8 +241,9 @@ fn construction_notes(rows: &[SummaryRow], meta: &serde_json::Value) -> Vec<Stri
 }
 
 /// One plot per numeric grid axis (a series per family and per value of
-/// the other axes), and a fidelity plot (accuracy against mean fidelity
-/// cosine and logit correlation) where arms measured fidelity.
+/// the other axes), and fidelity plots (accuracy against mean fidelity
+/// cosine, logit correlation and achieved cosine, a series per family)
+/// where arms measured them.
 fn plot_axes(
     run_dir: &Path,
     rows: &[SummaryRow],
@@ -253,9 +254,15 @@ fn plot_axes(
     for r in rows {
         let pt = point(r);
         for (k, v) in &pt {
+            // Numbers, and layer sets of one number (`prefix:8` is 8 layers,
+            // `suffix:12` starts at 12), are plotted along their axis.
             let x = match v {
                 serde_json::Value::Number(n) => n.as_f64(),
-                serde_json::Value::String(s) => s.parse::<f64>().ok(),
+                serde_json::Value::String(s) => s.parse::<f64>().ok().or_else(|| {
+                    s.strip_prefix("prefix:")
+                        .or_else(|| s.strip_prefix("suffix:"))
+                        .and_then(|n| n.parse().ok())
+                }),
                 _ => None,
             };
             let Some(x) = x else { continue };
@@ -309,6 +316,9 @@ fn plot_axes(
             ("attention-logit correlation", |r: &SummaryRow| {
                 r.mean_logit_correlation
             }),
+            // Perturbed and blended arms: accuracy against the cosine their
+            // transform reached (noise and genuine interpolation on one axis).
+            ("achieved cosine", |r: &SummaryRow| r.mean_achieved_cosine),
         ] {
             let mut fams: Families = BTreeMap::new();
             for r in &fidelity {

@@ -5,10 +5,13 @@
 //! Each acts only at the injection's sites (layers, positions, kv heads);
 //! everything else passes through bit for bit.
 
+use crate::arm::Base;
 use crate::error::{DriverError, Result};
+use crate::passes::ItemPasses;
 use crate::resources::bank::downcast;
 use crate::resources::{CodebookSet, KeyBank, Value};
 use crate::sources::CarrierValue;
+use crate::sources::Source;
 use candle_core::Tensor;
 use std::any::Any;
 use std::cell::RefCell;
@@ -65,6 +68,10 @@ pub struct TransformCx<'a> {
     /// The source and the transforms before this one (keys shared work:
     /// two arms share a bank search only when they search the same keys).
     pub chain: &'a str,
+    /// The item's passes (a blend reads another pass's state).
+    pub passes: &'a ItemPasses,
+    /// The arm's base pass.
+    pub base: Base,
 }
 
 /// What a transform measured: the cosine of its output to its input at the
@@ -417,5 +424,170 @@ impl Transform for CodebookSnap {
                 Ok(set.at(l, h)?.snap(truth, self.snapping)?)
             })
         })
+    }
+}
+
+/// How far a blend moves toward the other state.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BlendBy {
+    /// By a fixed weight: x + alpha (y - x).
+    Alpha(f64),
+    /// By the weight at which the blend's cosine to the source, flattened
+    /// over the sites (and heads) of one layer's keys or values, reaches a
+    /// target (found by bisection on [0, 1]; clamped to 1 when even the
+    /// other state itself is closer than the target).
+    Cosine(f64),
+}
+
+/// Genuine interpolation (PROTOCOL §5): the source moved toward another
+/// pass's state (another item's cache) at the sites both hold; positions
+/// outside the overlap keep the source's values. The on-manifold-in-content
+/// counterpart of cosine-calibrated noise: a blend of two genuine caches.
+#[derive(Debug, Clone)]
+pub struct BlendToward {
+    /// The state moved toward.
+    pub toward: std::sync::Arc<dyn Source>,
+    /// How far.
+    pub by: BlendBy,
+}
+
+/// `x + a (y - x)` at the masked cells, `x` elsewhere.
+fn blend_at(x: &[f32], y: &[f32], mask: &[bool], a: f64) -> Vec<f32> {
+    x.iter()
+        .zip(y)
+        .zip(mask)
+        .map(|((&xi, &yi), &m)| {
+            if m {
+                (xi as f64 + a * (yi as f64 - xi as f64)) as f32
+            } else {
+                xi
+            }
+        })
+        .collect()
+}
+
+/// Cosine of `a` to `b` over the masked cells.
+fn masked_cosine(a: &[f32], b: &[f32], mask: &[bool]) -> f64 {
+    let (mut d, mut na, mut nb) = (0f64, 0f64, 0f64);
+    for ((&x, &y), &m) in a.iter().zip(b).zip(mask) {
+        if m {
+            d += x as f64 * y as f64;
+            na += (x as f64).powi(2);
+            nb += (y as f64).powi(2);
+        }
+    }
+    if na > 0.0 && nb > 0.0 {
+        d / (na.sqrt() * nb.sqrt())
+    } else {
+        1.0
+    }
+}
+
+impl BlendToward {
+    /// `x` (one layer's keys or values, or a residual) blended toward `y`
+    /// (same rank; fitted to `x`'s length along `axis`) at the `sites` (and
+    /// `heads` on axis 1), and the achieved cosine to `x` there.
+    fn blend(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        axis: usize,
+        sites: &[usize],
+        heads: Option<&[usize]>,
+    ) -> Result<(Tensor, Option<f64>)> {
+        let have = y.dims()[axis];
+        let live: Vec<usize> = sites.iter().copied().filter(|&s| s < have).collect();
+        if live.is_empty() {
+            return Ok((x.clone(), None));
+        }
+        let y = tolerable_carrier::inject::fit_positions(y, x, axis)?;
+        let mask = site_mask(
+            x.dims(),
+            Some((axis, &live)),
+            heads.map(|h| (1, h)),
+            x.device(),
+        )?
+        .broadcast_as(x.dims())?
+        .flatten_all()?
+        .to_vec1::<u8>()?
+        .into_iter()
+        .map(|m| m != 0)
+        .collect::<Vec<bool>>();
+        let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+        let ys: Vec<f32> = y.flatten_all()?.to_vec1()?;
+        let a = match self.by {
+            BlendBy::Alpha(a) => a,
+            BlendBy::Cosine(target) => {
+                let at = |a: f64| masked_cosine(&blend_at(&xs, &ys, &mask, a), &xs, &mask);
+                if at(1.0) >= target {
+                    1.0
+                } else {
+                    let (mut lo, mut hi) = (0.0, 1.0);
+                    for _ in 0..60 {
+                        let mid = 0.5 * (lo + hi);
+                        if at(mid) >= target {
+                            lo = mid;
+                        } else {
+                            hi = mid;
+                        }
+                    }
+                    lo
+                }
+            }
+        };
+        let out = blend_at(&xs, &ys, &mask, a);
+        let cos = masked_cosine(&out, &xs, &mask);
+        Ok((Tensor::from_vec(out, x.dims(), x.device())?, Some(cos)))
+    }
+}
+
+impl Transform for BlendToward {
+    fn name(&self) -> String {
+        match self.by {
+            BlendBy::Alpha(a) => format!("blend(toward {}, alpha {a})", self.toward.name()),
+            BlendBy::Cosine(c) => format!("blend(toward {}, cosine {c})", self.toward.name()),
+        }
+    }
+
+    fn apply(&self, value: CarrierValue, cx: &TransformCx) -> Result<(CarrierValue, Achieved)> {
+        let (other, _) = self
+            .toward
+            .provide(cx.passes, cx.base, cx.carrier, cx.layers)?;
+        let mut ach = Vec::new();
+        match value {
+            CarrierValue::Resid(mut m) => {
+                for &l in cx.layers {
+                    let x = m.get(&l).ok_or_else(|| {
+                        DriverError::Records(format!("internal: no residual at layer {l}"))
+                    })?;
+                    let (out, cos) = self.blend(x, other.resid(l)?, 1, cx.sites, None)?;
+                    ach.extend(cos);
+                    m.insert(l, out);
+                }
+                Ok((CarrierValue::Resid(m), ach))
+            }
+            CarrierValue::Kv(mut c) => {
+                let o = other.kv()?;
+                for &l in cx.layers {
+                    let (kv, ov) = (c.require_layer(l)?.clone(), o.require_layer(l)?);
+                    let k = if cx.carrier.has_k() {
+                        let (t, cos) = self.blend(&kv.k, &ov.k, 2, cx.sites, cx.heads)?;
+                        ach.extend(cos);
+                        t
+                    } else {
+                        kv.k.clone()
+                    };
+                    let v = if cx.carrier.has_v() {
+                        let (t, cos) = self.blend(&kv.v, &ov.v, 2, cx.sites, cx.heads)?;
+                        ach.extend(cos);
+                        t
+                    } else {
+                        kv.v.clone()
+                    };
+                    c.set_layer(l, k, v)?;
+                }
+                Ok((CarrierValue::Kv(c), ach))
+            }
+        }
     }
 }

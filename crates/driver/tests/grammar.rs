@@ -139,7 +139,7 @@ name = "sparse_v"
 inject = { carrier = "v", positions = "passage", source = "native", perturb = { kind = "sparse_damage", fraction = 0.05 } }
 [[arms]]
 name = "head_knockout"
-inject = { carrier = "kv", layers = [3], heads = [1], positions = "passage", source = "native", perturb = { kind = "sparse_damage", fraction = 1.0 } }
+inject = { carrier = "kv", layers = [3], heads = [1], positions = "passage", source = "native", perturb = { kind = "destroy" } }
 [[arms]]
 name = "int4"
 inject = { carrier = "kv", positions = "passage", source = "native", perturb = { kind = "quantize", bits = 4 } }
@@ -321,6 +321,21 @@ fn arms_that_cannot_apply_fail_validation_naming_the_field() {
     assert!(e.contains("identity"), "{e}");
     let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = \"native\", perturb = { kind = \"cosine_noise\", target_cosine = 1.5 } }\n", &none);
     assert!(e.contains("inject[0].perturb") && e.contains("1.5"), "{e}");
+    let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = \"native\", perturb = { kind = \"sparse_damage\", fraction = 1.0 } }\n", &none);
+    assert!(
+        e.contains("inject[0].perturb") && e.contains("[0, 1)"),
+        "{e}"
+    );
+    let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = \"native\", blend = { toward = \"other_item\", target_cosine = 1.5 } }\n", &none);
+    assert!(
+        e.contains("inject[0].blend.target_cosine") && e.contains("1.5"),
+        "{e}"
+    );
+    let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = \"native\", blend = { toward = \"other_item\", alpha = 0.5, target_cosine = 0.9 } }\n", &none);
+    assert!(
+        e.contains("inject[0].blend") && e.contains("exactly one"),
+        "{e}"
+    );
     // A sender with another cache shape and no projection.
     let other = |_: &str| -> tolerable_driver::Result<ModelConfig> {
         let dir = tempfile::tempdir().unwrap();

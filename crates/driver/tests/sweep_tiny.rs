@@ -596,3 +596,127 @@ print("ok")
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// Paper 1's perturbations on a tiny model: genuine interpolation toward
+/// another item's cache at a target cosine, dense damage matched to sparse
+/// damage, destroyed heads, and a layer budget whose untouched layers stay
+/// bit-exact to the native cache.
+#[test]
+fn blends_matched_damage_and_layer_budgets_act_where_they_say() {
+    use std::collections::BTreeMap;
+    use tolerable_driver::config::SweepConfig;
+    use tolerable_driver::exec::{prepare, ItemCx};
+    use tolerable_driver::passes::item_passes;
+    use tolerable_driver::transforms::Memo;
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let text = format!(
+        r#"
+[run]
+name = "paper1"
+model = "{}"
+[data]
+source = "synthetic"
+n = 4
+
+[[arms]]
+name = "genuine"
+base = "full"
+inject = {{ carrier = "k", positions = "passage", source = "native", blend = {{ toward = "other_item", target_cosine = 0.99 }} }}
+
+[[arms]]
+name = "sparse"
+base = "full"
+inject = {{ carrier = "k", positions = "passage", source = "native", perturb = {{ kind = "sparse_damage", fraction = 0.05 }} }}
+
+[[arms]]
+name = "dense"
+base = "full"
+seed_as = "sparse"
+inject = {{ carrier = "k", positions = "passage", source = "native", perturb = {{ kind = "dense_matched", fraction = 0.05 }} }}
+
+[[arms]]
+name = "head_gone"
+base = "full"
+inject = {{ carrier = "kv", heads = [0], positions = "passage", source = "native", perturb = {{ kind = "destroy" }} }}
+
+[[arms]]
+name = "budget"
+base = "full"
+inject = {{ carrier = "k", layers = "prefix:2", positions = "passage", source = "native", perturb = {{ kind = "cosine_noise", target_cosine = 0.8 }} }}
+"#,
+        model.display()
+    );
+    let cfg = SweepConfig::parse(&text).unwrap();
+    let ck = tolerable_fetch::load(
+        model.to_str().unwrap(),
+        tolerable_runtime::Precision::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let plan =
+        tolerable_driver::compile(&cfg, ck.model.config(), "tiny", &|_| unreachable!()).unwrap();
+    assert_eq!(plan.needs.partners, 1);
+    let items = tolerable_probe::sample::sample(
+        &tolerable_probe::synthetic::generate(8, 3),
+        &ck.tokenizer,
+        &tolerable_probe::SplitOptions::default(),
+        4,
+        3,
+    )
+    .unwrap();
+    let set = tolerable_driver::items::ItemSet::new(items.items, 1, 3).unwrap();
+    let none = BTreeMap::new();
+    let memo = Memo::default();
+    let passes = item_passes(&ck.model, &set.pairs[0], &set.partners_of(0), &plan.needs).unwrap();
+    let cx = ItemCx {
+        model: &ck.model,
+        passes: &passes,
+        index: 0,
+        seed: 0,
+        resources: &none,
+        memo: &memo,
+    };
+    let by = |name: &str| {
+        let p = plan.programs.iter().find(|p| p.name == name).unwrap();
+        prepare(p, &cx).unwrap()
+    };
+    let bits = |t: &candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let native = &passes.alt.cache;
+    let genuine = by("genuine");
+    let c = genuine.measures.achieved_cosine.unwrap();
+    assert!((c - 0.99).abs() < 1e-3 || c > 0.99, "{c}");
+    let (sparse, dense) = (by("sparse"), by("dense"));
+    let (cs, cd) = (
+        sparse.measures.achieved_cosine.unwrap(),
+        dense.measures.achieved_cosine.unwrap(),
+    );
+    // Paired by `seed_as`: the dense damage matches the sparse arm's own draws.
+    assert!((cs - cd).abs() < 1e-4, "sparse {cs}, dense {cd}");
+    // Head 0 destroyed at the passage, head 1 untouched.
+    let gone = by("head_gone");
+    let ps = passes.geometry.passage_start;
+    for l in 0..ck.model.config().n_layers {
+        let k = &gone.cache.require_layer(l).unwrap().k;
+        let h0 = bits(&k.narrow(1, 0, 1).unwrap().narrow(2, ps, 1).unwrap());
+        assert!(h0.iter().all(|&v| v == 0.0));
+        assert_eq!(
+            bits(&k.narrow(1, 1, 1).unwrap()),
+            bits(&native.require_layer(l).unwrap().k.narrow(1, 1, 1).unwrap())
+        );
+    }
+    // The layer budget corrupts layers 0 and 1; every later layer is the native cache, bit for bit.
+    let budget = by("budget");
+    for l in 0..ck.model.config().n_layers {
+        let (a, b) = (
+            budget.cache.require_layer(l).unwrap(),
+            native.require_layer(l).unwrap(),
+        );
+        assert_eq!(bits(&a.v), bits(&b.v), "values of layer {l}");
+        if l >= 2 {
+            assert_eq!(bits(&a.k), bits(&b.k), "keys of layer {l}");
+        } else {
+            assert_ne!(bits(&a.k), bits(&b.k), "keys of layer {l}");
+        }
+    }
+}
