@@ -10,7 +10,7 @@ use crate::config::{PlannedArm, SweepConfig};
 use crate::error::{DriverError, Result};
 use crate::passes::PassNeeds;
 use crate::resources::{build_order, ResourceSpec};
-use crate::sources::{PassSource, Source};
+use crate::sources::{PassSource, PoolSource, Source};
 use crate::transforms::{
     BankPick, BankSubstitute, BlendBy, BlendToward, CodebookSnap, Displace, Perturb, Transform,
 };
@@ -454,6 +454,19 @@ fn compile_arm(
                     snapping: c.snapping,
                 }));
                 Arc::new(PassSource::native())
+            }
+            SourceSpec::Pool(p) => {
+                if inj.mechanism == Mechanism::Append {
+                    return Err(bad(
+                        arm,
+                        f("mechanism"),
+                        "a pool of appended caches is the sender pool of the trained bridges (PROTOCOL §7), not built yet; pools combine states for slot mechanisms",
+                    ));
+                }
+                Arc::new(
+                    PoolSource::new(p.n, p.router, p.members)
+                        .map_err(|why| bad(arm, f("source.pool"), why))?,
+                )
             }
             other => {
                 return Err(bad(

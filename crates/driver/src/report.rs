@@ -115,9 +115,9 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     }
     let _ = writeln!(
         md,
-        "| arm | n | accuracy ± SE | 95% CI | Wilson 95% | conditional (n) | span-copy | fidelity cos | achieved cos | logit corr | lift over strongest control [95% CI] | bit-exact |"
+        "| arm | n | accuracy ± SE | 95% CI | Wilson 95% | conditional (n) | span-copy | conditional − span-copy (z) | fidelity cos | achieved cos | logit corr | lift over strongest control [95% CI] | bit-exact |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let lift = match (r.lift, r.lift_lo, r.lift_hi, &r.strongest_control) {
             (Some(d), Some(lo), Some(hi), Some(c)) => {
@@ -127,7 +127,7 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
         };
         let _ = writeln!(
             md,
-            "| `{}` | {} | {:.3} ± {:.3} | [{:.3}, {:.3}] | [{:.3}, {:.3}] | {} ({}) | {:.3} | {} | {} | {} | {} | {} |",
+            "| `{}` | {} | {:.3} ± {:.3} | [{:.3}, {:.3}] | [{:.3}, {:.3}] | {} ({}) | {:.3} | {} | {} | {} | {} | {} | {} |",
             r.arm.arm,
             r.n_items,
             r.accuracy,
@@ -139,6 +139,10 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
             opt(r.cond_accuracy, 3),
             r.cond_n,
             r.span_copy_rate,
+            match (r.cond_minus_span_copy, r.cond_minus_span_copy_z) {
+                (Some(d), Some(z)) => format!("{d:+.3} ({z:.1})"),
+                _ => "–".into(),
+            },
             opt(r.mean_fidelity_cosine, 4),
             opt(r.mean_achieved_cosine, 4),
             opt(r.mean_logit_correlation, 3),

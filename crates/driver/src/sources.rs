@@ -172,3 +172,133 @@ impl Source for PassSource {
         Ok((value, geometry))
     }
 }
+
+/// A routed combination over a pool of holders (PROTOCOL §6, activation
+/// augmentation): the answer holder (the item's full passage; or its masked
+/// passage, a control) and distractor holders (mis-source partners'
+/// passages), weighted by a router: `sum_i w_i h_i`. With a mechanism
+/// `add` and weight a, the receiver gets `h + a sum_i w_i h_i` at the sites.
+#[derive(Debug, Clone)]
+pub struct PoolSource {
+    /// The members' passes, the answer holder first (when there is one).
+    pub members: Vec<PassRef>,
+    /// Their weights.
+    pub weights: Vec<f64>,
+}
+
+impl PoolSource {
+    /// A pool of `n` holders of `kind` weighted by `router`; `None` with the
+    /// reason when the combination does not exist.
+    pub fn new(
+        n: usize,
+        router: crate::arm::Router,
+        kind: crate::arm::PoolMembers,
+    ) -> std::result::Result<Self, String> {
+        use crate::arm::{PoolMembers, Router};
+        if n == 0 {
+            return Err("a pool needs at least one holder".into());
+        }
+        let members: Vec<PassRef> = match kind {
+            PoolMembers::WithAnswer => std::iter::once(PassRef::Alt)
+                .chain((0..n - 1).map(PassRef::Partner))
+                .collect(),
+            // The answer holder read the masked passage: the base pass of an
+            // arm on the masked passage.
+            PoolMembers::AnswerMasked => std::iter::once(PassRef::ArmBase)
+                .chain((0..n - 1).map(PassRef::Partner))
+                .collect(),
+            PoolMembers::DistractorsOnly => (0..n).map(PassRef::Partner).collect(),
+        };
+        let weights = match router {
+            Router::Uniform => vec![1.0 / n as f64; n],
+            Router::Oracle => {
+                if kind == PoolMembers::DistractorsOnly {
+                    return Err("an oracle router needs an answer holder in the pool".into());
+                }
+                let mut w = vec![0.0; n];
+                w[0] = 1.0;
+                w
+            }
+            Router::Trained => {
+                return Err(
+                    "a trained router is a bridge (PROTOCOL §7); it is not built yet".into(),
+                )
+            }
+        };
+        Ok(Self { members, weights })
+    }
+}
+
+impl Source for PoolSource {
+    fn name(&self) -> &'static str {
+        "pool"
+    }
+
+    fn needs(&self, base: Base, carrier: Carrier, layers: &[usize], needs: &mut PassNeeds) {
+        for &m in &self.members {
+            // The masked answer holder is the base pass, whatever the arm's base.
+            let _ = base;
+            if let PassRef::Partner(r) = m {
+                needs.partners = needs.partners.max(r + 1);
+            }
+            if carrier == Carrier::H {
+                needs.resid_of(m).extend(layers.iter().copied());
+            }
+        }
+    }
+
+    fn provide(
+        &self,
+        passes: &ItemPasses,
+        _base: Base,
+        carrier: Carrier,
+        layers: &[usize],
+    ) -> Result<(CarrierValue, Geometry)> {
+        let pass_of = |m: PassRef| -> Result<&Pass> {
+            Ok(match m {
+                PassRef::ArmBase => &passes.base,
+                PassRef::Alt => &passes.alt,
+                PassRef::Partner(r) => {
+                    &passes
+                        .partners
+                        .get(r)
+                        .ok_or_else(|| {
+                            DriverError::Records(format!("internal: pool partner {r} missing"))
+                        })?
+                        .0
+                }
+            })
+        };
+        // Every member is brought to the item's length (positions a shorter
+        // member lacks take the item's own masked state there, weighted alike).
+        let sum = |get: &dyn Fn(&Pass) -> Result<Tensor>, axis: usize| -> Result<Tensor> {
+            let own = get(&passes.base)?;
+            let mut acc: Option<Tensor> = None;
+            for (&m, &w) in self.members.iter().zip(&self.weights) {
+                let t = tolerable_carrier::inject::fit_positions(&get(pass_of(m)?)?, &own, axis)?;
+                let t = (t * w)?;
+                acc = Some(match acc {
+                    None => t,
+                    Some(a) => (a + t)?,
+                });
+            }
+            acc.ok_or_else(|| DriverError::Records("internal: an empty pool".into()))
+        };
+        let value = if carrier == Carrier::H {
+            let mut m = BTreeMap::new();
+            for &l in layers {
+                m.insert(l, sum(&|p: &Pass| Ok(p.resid(l)?.clone()), 1)?);
+            }
+            CarrierValue::Resid(m)
+        } else {
+            let mut c = passes.base.cache.clone();
+            for l in 0..c.n_layers() {
+                let k = sum(&|p: &Pass| Ok(p.cache.require_layer(l)?.k.clone()), 2)?;
+                let v = sum(&|p: &Pass| Ok(p.cache.require_layer(l)?.v.clone()), 2)?;
+                c.set_layer(l, k, v)?;
+            }
+            CarrierValue::Kv(c)
+        };
+        Ok((value, passes.geometry.clone()))
+    }
+}

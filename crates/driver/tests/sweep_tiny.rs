@@ -644,6 +644,18 @@ inject = {{ carrier = "kv", heads = [0], positions = "passage", source = "native
 name = "budget"
 base = "full"
 inject = {{ carrier = "k", layers = "prefix:2", positions = "passage", source = "native", perturb = {{ kind = "cosine_noise", target_cosine = 0.8 }} }}
+
+[[arms]]
+name = "pool_oracle"
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = {{ pool = {{ n = 3, router = "oracle" }} }}, mechanism = "add", alpha = 2.0 }}
+
+[[arms]]
+name = "pool_uniform"
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = {{ pool = {{ n = 3, router = "uniform" }} }}, mechanism = "add", alpha = 2.0 }}
+
+[[arms]]
+name = "holder_add"
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "holder", mechanism = "add", alpha = 2.0 }}
 "#,
         model.display()
     );
@@ -656,7 +668,7 @@ inject = {{ carrier = "k", layers = "prefix:2", positions = "passage", source = 
     .unwrap();
     let plan =
         tolerable_driver::compile(&cfg, ck.model.config(), "tiny", &|_| unreachable!()).unwrap();
-    assert_eq!(plan.needs.partners, 1);
+    assert_eq!(plan.needs.partners, 2);
     let items = tolerable_probe::sample::sample(
         &tolerable_probe::synthetic::generate(8, 3),
         &ck.tokenizer,
@@ -665,7 +677,7 @@ inject = {{ carrier = "k", layers = "prefix:2", positions = "passage", source = 
         3,
     )
     .unwrap();
-    let set = tolerable_driver::items::ItemSet::new(items.items, 1, 3).unwrap();
+    let set = tolerable_driver::items::ItemSet::new(items.items, 2, 3).unwrap();
     let none = BTreeMap::new();
     let memo = Memo::default();
     let passes = item_passes(&ck.model, &set.pairs[0], &set.partners_of(0), &plan.needs).unwrap();
@@ -705,6 +717,16 @@ inject = {{ carrier = "k", layers = "prefix:2", positions = "passage", source = 
             bits(&native.require_layer(l).unwrap().k.narrow(1, 1, 1).unwrap())
         );
     }
+    // A pool with an oracle router is the answer holder alone, bit for bit;
+    // a uniform router mixes in the distractors.
+    let cache_bits = |c: &tolerable_runtime::KvCache| -> Vec<Vec<f32>> {
+        (0..c.n_layers())
+            .map(|l| bits(&c.require_layer(l).unwrap().k))
+            .collect()
+    };
+    let (oracle, uniform, holder) = (by("pool_oracle"), by("pool_uniform"), by("holder_add"));
+    assert_eq!(cache_bits(&oracle.cache), cache_bits(&holder.cache));
+    assert_ne!(cache_bits(&uniform.cache), cache_bits(&holder.cache));
     // The layer budget corrupts layers 0 and 1; every later layer is the native cache, bit for bit.
     let budget = by("budget");
     for l in 0..ck.model.config().n_layers {

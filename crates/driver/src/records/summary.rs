@@ -6,7 +6,7 @@ use super::{ArmColumns, ItemRow};
 use crate::config::SweepConfig;
 use crate::error::{DriverError, Result};
 use crate::record;
-use tolerable_stats::{lift, Proportion};
+use tolerable_stats::{difference, lift, Proportion};
 
 record! {
     /// One (run, arm) summary row. Column names differ from item rows'
@@ -39,6 +39,10 @@ record! {
         pub span_copy_rate: f64,
         /// Span-copied items among the correct ones.
         pub span_copy_rate_correct: Option<f64>,
+        /// The copying statistic: conditional accuracy minus the span-copy rate (transfer is credited when it is wide).
+        pub cond_minus_span_copy: Option<f64>,
+        /// Its z (the difference over the SE of the two proportions).
+        pub cond_minus_span_copy_z: Option<f64>,
         /// Mean of the items' fidelity_cosine.
         pub mean_fidelity_cosine: Option<f64>,
         /// Mean of the items' achieved_cosine.
@@ -111,6 +115,14 @@ pub fn summarize(
         let cond: Vec<&&ItemRow> = rows.iter().filter(|r| r.native_correct).collect();
         let n_correct = rows.iter().filter(|r| r.correct).count();
         let copies_correct = rows.iter().filter(|r| r.correct && r.span_copy).count();
+        // Conditional accuracy against the span-copy rate, as two proportions.
+        let copying = if cond.is_empty() {
+            None
+        } else {
+            let c = Proportion::new(cond.iter().filter(|r| r.correct).count(), cond.len())?;
+            let sc = Proportion::new(rows.iter().filter(|r| r.span_copy).count(), rows.len())?;
+            Some(difference(c, sc))
+        };
         let controls = cfg.controls_of(pa)?;
         let mut ctrl = Vec::new();
         for &c in &controls {
@@ -142,6 +154,8 @@ pub fn summarize(
             span_copy_rate: rows.iter().filter(|r| r.span_copy).count() as f64 / rows.len() as f64,
             span_copy_rate_correct: (n_correct > 0)
                 .then(|| copies_correct as f64 / n_correct as f64),
+            cond_minus_span_copy: copying.map(|d| d.diff),
+            cond_minus_span_copy_z: copying.map(|d| d.z),
             mean_fidelity_cosine: mean(rows.iter().filter_map(|r| r.fidelity_cosine)),
             mean_achieved_cosine: mean(rows.iter().filter_map(|r| r.achieved_cosine)),
             mean_logit_correlation: mean(rows.iter().filter_map(|r| r.logit_correlation)),
