@@ -248,6 +248,11 @@ pub struct Holder {
     /// Build the sender by re-quantizing the receiver to this GGUF type (held-out senders).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requantize: Option<String>,
+    /// Build the sender by moving every weight matrix of the receiver to
+    /// this cosine with calibrated noise (held-out senders beyond what
+    /// re-quantization reaches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_cosine: Option<f64>,
     /// The projection a sender of another cache shape goes through.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub projection: Option<Projection>,

@@ -382,7 +382,15 @@ fn expand_arm(i: usize, raw: toml::Value) -> Result<Vec<PlannedArm>> {
             .collect::<Result<_>>()?,
         Some(_) => return Err(at("`grid` must be a table of lists".into())),
     };
-    if !grid.is_empty()
+    // Grid keys on arm-level fields (the holder, the base, ...) set the arm;
+    // every other key sets each injection.
+    let arm_level = |k: &str| {
+        matches!(
+            k.split('.').next().unwrap_or(""),
+            "holder" | "bridge" | "base" | "expect" | "seed_as"
+        )
+    };
+    if grid.iter().any(|(k, _)| !arm_level(k))
         && table
             .get("inject")
             .and_then(|v| v.as_array())
@@ -407,10 +415,16 @@ fn expand_arm(i: usize, raw: toml::Value) -> Result<Vec<PlannedArm>> {
     }
     let mut out = Vec::new();
     for p in points {
-        let mut t = table.clone();
+        let mut t = toml::Value::Table(table.clone());
+        for (k, v) in p.iter().filter(|(k, _)| arm_level(k)) {
+            set_dotted(&mut t, k, v.clone()).map_err(|m| at(format!("`grid.{k}`: {m}")))?;
+        }
+        let toml::Value::Table(mut t) = t else {
+            unreachable!("an arm is a table")
+        };
         if let Some(toml::Value::Array(injs)) = t.get_mut("inject") {
             for inj in injs.iter_mut() {
-                for (k, v) in &p {
+                for (k, v) in p.iter().filter(|(k, _)| !arm_level(k)) {
                     set_dotted(inj, k, v.clone()).map_err(|m| at(format!("`grid.{k}`: {m}")))?;
                 }
             }

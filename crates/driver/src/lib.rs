@@ -21,6 +21,7 @@ pub mod records;
 pub mod report;
 pub mod resources;
 pub mod runner;
+pub mod senders;
 pub mod sources;
 pub mod sweep;
 pub mod transforms;

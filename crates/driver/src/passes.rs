@@ -45,6 +45,9 @@ pub struct PassNeeds {
     /// Layers whose question queries (`hook_rot_q` of the suffix read over
     /// the native cache) are captured, for attention-logit correlations.
     pub queries: BTreeSet<usize>,
+    /// Held-out senders reading the alternative context, by key, with the
+    /// residual layers captured.
+    pub senders: BTreeMap<String, BTreeSet<usize>>,
 }
 
 impl PassNeeds {
@@ -71,6 +74,8 @@ pub struct ItemPasses {
     pub geometry: Geometry,
     /// Question queries over the native cache, `[1, n_heads, suffix_len, head_dim]` by layer.
     pub queries: BTreeMap<usize, Tensor>,
+    /// Held-out senders' passes over the alternative context, by key.
+    pub senders: BTreeMap<String, Pass>,
 }
 
 /// The layout of a pair's context.
@@ -137,7 +142,8 @@ pub fn context_passes(
     ))
 }
 
-/// A partner's alternative (full-passage) pass: the mis-source holder.
+/// A context's alternative (full-passage) pass by `model`, read in one
+/// call: a mis-source partner's, or a held-out sender's.
 pub fn partner_pass(model: &Model, pair: &ContextPair, need: &BTreeSet<usize>) -> Result<Pass> {
     let m = model;
     let mut cache = m.new_cache(1);
@@ -180,12 +186,14 @@ pub fn question_queries(
     Ok(q)
 }
 
-/// Every pass of one item that the plan needs.
+/// Every pass of one item that the plan needs; `senders` are the held-out
+/// senders by key.
 pub fn item_passes(
     model: &Model,
     pair: &ContextPair,
     partners: &[&ContextPair],
     needs: &PassNeeds,
+    senders: &BTreeMap<String, Model>,
 ) -> Result<ItemPasses> {
     let (base, alt) = context_passes(model, pair, needs)?;
     if partners.len() < needs.partners {
@@ -201,11 +209,19 @@ pub fn item_passes(
         ps.push((partner_pass(model, p, &needs.partner_resid)?, geometry(p)));
     }
     let queries = question_queries(model, pair, &alt, &needs.queries)?;
+    let mut sender_passes = BTreeMap::new();
+    for (key, layers) in &needs.senders {
+        let sender = senders.get(key).ok_or_else(|| {
+            DriverError::Records(format!("internal: sender `{key}` was not built"))
+        })?;
+        sender_passes.insert(key.clone(), partner_pass(sender, pair, layers)?);
+    }
     Ok(ItemPasses {
         base,
         alt,
         partners: ps,
         geometry: geometry(pair),
         queries,
+        senders: sender_passes,
     })
 }

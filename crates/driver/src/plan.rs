@@ -10,7 +10,8 @@ use crate::config::{PlannedArm, SweepConfig};
 use crate::error::{DriverError, Result};
 use crate::passes::PassNeeds;
 use crate::resources::{build_order, ResourceSpec};
-use crate::sources::{PassSource, PoolSource, Source};
+use crate::senders::SenderSpec;
+use crate::sources::{PassSource, PoolSource, SenderSource, Source};
 use crate::transforms::{
     BankPick, BankSubstitute, BlendBy, BlendToward, CodebookSnap, Displace, Perturb, Transform,
 };
@@ -87,6 +88,8 @@ pub struct Plan {
     pub floor: usize,
     /// Index of the native reference arm.
     pub native: usize,
+    /// Held-out senders the arms read, by key.
+    pub senders: BTreeMap<String, SenderSpec>,
 }
 
 fn bad(arm: &Arm, field: String, reason: impl Into<String>) -> DriverError {
@@ -123,6 +126,7 @@ pub fn compile(
             }
         }
     }
+    let mut senders = BTreeMap::new();
     for (a, pa) in cfg.arms.iter().enumerate() {
         programs.push(compile_arm(
             a,
@@ -133,6 +137,7 @@ pub fn compile(
             holder_config,
             &depth,
             &mut needs,
+            &mut senders,
         )?);
     }
     // Controls resolve at each arm's grid point once every arm applies.
@@ -168,6 +173,7 @@ pub fn compile(
         resources,
         floor: cfg.anchor(Base::Masked),
         native: cfg.anchor(Base::Full),
+        senders,
     })
 }
 
@@ -181,6 +187,7 @@ fn compile_arm(
     holder_config: &dyn Fn(&str) -> Result<ModelConfig>,
     depth: &BTreeMap<String, usize>,
     needs: &mut PassNeeds,
+    senders: &mut BTreeMap<String, SenderSpec>,
 ) -> Result<ArmProgram> {
     let arm = &pa.arm;
     let prefix = match pa.index {
@@ -194,13 +201,50 @@ fn compile_arm(
             "trained bridges (PROTOCOL §7) are part of the grammar but no bridge resource is built yet",
         ));
     }
+    // A held-out sender: the receiver's weights re-quantized or perturbed.
+    let mut sender: Option<String> = None;
     if let Some(h) = &arm.holder {
-        if h.requantize.is_some() {
-            return Err(bad(
-                arm,
-                format!("{prefix}.holder.requantize"),
-                "re-quantized senders are part of the grammar but no sender source is built yet",
-            ));
+        let spec = match (&h.requantize, h.weight_cosine) {
+            (Some(t), None) => {
+                if crate::senders::ggml_type(t).is_none() {
+                    return Err(bad(
+                        arm,
+                        format!("{prefix}.holder.requantize"),
+                        format!("`{t}` is not a GGUF type candle quantizes to (Q8_0, Q6_K, Q5_1, Q5_0, Q5_K, Q4_1, Q4_0, Q4_K, Q3_K, Q2_K)"),
+                    ));
+                }
+                Some(SenderSpec::Requantize(t.clone()))
+            }
+            (None, Some(c)) => {
+                if !(c > 0.0 && c < 1.0) {
+                    return Err(bad(
+                        arm,
+                        format!("{prefix}.holder.weight_cosine"),
+                        format!("weight cosine {c} is not in (0, 1)"),
+                    ));
+                }
+                Some(SenderSpec::WeightCosine(c))
+            }
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    arm,
+                    format!("{prefix}.holder"),
+                    "name one of `requantize` and `weight_cosine`",
+                ))
+            }
+            (None, None) => None,
+        };
+        if let Some(spec) = spec {
+            if h.model.is_some() || h.projection.is_some() {
+                return Err(bad(
+                    arm,
+                    format!("{prefix}.holder"),
+                    "a held-out sender is built from the receiver: it takes no `model` or `projection`",
+                ));
+            }
+            let key = spec.key();
+            senders.insert(key.clone(), spec);
+            sender = Some(key);
         }
         if let Some(m) = h.model.as_deref().filter(|m| *m != receiver_id) {
             let sc = holder_config(m)
@@ -357,7 +401,10 @@ fn compile_arm(
         let source: Arc<dyn Source> = match &inj.source {
             SourceSpec::Own => Arc::new(PassSource::own()),
             SourceSpec::Native => Arc::new(PassSource::native()),
-            SourceSpec::Holder => Arc::new(PassSource::holder()),
+            SourceSpec::Holder => match &sender {
+                Some(key) => Arc::new(SenderSource { key: key.clone() }),
+                None => Arc::new(PassSource::holder()),
+            },
             SourceSpec::OtherItem => Arc::new(PassSource::other_item()),
             SourceSpec::Bank(b) => {
                 key_only("a key bank")?;

@@ -59,6 +59,7 @@ pub struct Runner<'a> {
     model: &'a Model,
     plan: &'a Plan,
     resources: &'a BTreeMap<String, Value>,
+    senders: Option<&'a BTreeMap<String, Model>>,
     greedy: GreedyOptions,
     seed: u64,
     batching: Batching,
@@ -78,10 +79,17 @@ impl<'a> Runner<'a> {
             model,
             plan,
             resources,
+            senders: None,
             greedy: GreedyOptions::tokens(new_tokens),
             seed,
             batching: Batching::Batched,
         }
+    }
+
+    /// The held-out senders the plan reads, by key.
+    pub fn with_senders(mut self, senders: &'a BTreeMap<String, Model>) -> Self {
+        self.senders = Some(senders);
+        self
     }
 
     /// Sets how arms are batched.
@@ -111,7 +119,14 @@ impl<'a> Runner<'a> {
     ) -> Result<(Vec<ArmOutcome>, ItemTiming)> {
         let mut timing = ItemTiming::default();
         let t_passes = Instant::now();
-        let passes = item_passes(self.model, pair, partners, &self.plan.needs)?;
+        let none = BTreeMap::new();
+        let passes = item_passes(
+            self.model,
+            pair,
+            partners,
+            &self.plan.needs,
+            self.senders.unwrap_or(&none),
+        )?;
         timing.passes_s = t_passes.elapsed().as_secs_f64();
         let memo = Memo::default();
         let cx = ItemCx {

@@ -302,3 +302,49 @@ impl Source for PoolSource {
         Ok((value, passes.geometry.clone()))
     }
 }
+
+/// A held-out sender's state (PROTOCOL §6): the sender, a model of the
+/// receiver's geometry with other weights, reading the full passage.
+#[derive(Debug, Clone)]
+pub struct SenderSource {
+    /// The sender's key (`requantize=Q4_0`).
+    pub key: String,
+}
+
+impl Source for SenderSource {
+    fn name(&self) -> &'static str {
+        "sender"
+    }
+
+    fn needs(&self, _base: Base, carrier: Carrier, layers: &[usize], needs: &mut PassNeeds) {
+        let set = needs.senders.entry(self.key.clone()).or_default();
+        if carrier == Carrier::H {
+            set.extend(layers.iter().copied());
+        }
+    }
+
+    fn provide(
+        &self,
+        passes: &ItemPasses,
+        _base: Base,
+        carrier: Carrier,
+        layers: &[usize],
+    ) -> Result<(CarrierValue, Geometry)> {
+        let pass = passes.senders.get(&self.key).ok_or_else(|| {
+            DriverError::Records(format!(
+                "internal: the pass of sender `{}` is missing",
+                self.key
+            ))
+        })?;
+        let value = if carrier == Carrier::H {
+            let mut m = BTreeMap::new();
+            for &l in layers {
+                m.insert(l, pass.resid(l)?.clone());
+            }
+            CarrierValue::Resid(m)
+        } else {
+            CarrierValue::Kv(pass.cache.clone())
+        };
+        Ok((value, passes.geometry.clone()))
+    }
+}

@@ -556,6 +556,28 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         },
         &store,
     )?;
+    // Held-out senders, built from the receiver and gated before any eval item.
+    let gate_prompt = ck
+        .tokenizer
+        .encode(tolerable_runtime::gates::SQUAD_PROMPT)?;
+    let mut senders = BTreeMap::new();
+    let mut sender_reports = serde_json::Map::new();
+    for (key, spec) in &plan.senders {
+        let t0 = Instant::now();
+        let (model, report) = crate::senders::build(&ck.model, spec, &gate_prompt)?;
+        tracing::info!(
+            "sender `{key}` built and gated in {:.1} s: weight cosine {:.5}, cache cosine {:.5} to the receiver, matrices {:?}",
+            t0.elapsed().as_secs_f64(),
+            report.weight_cosine,
+            report.cache_cosine,
+            report.matrix_types
+        );
+        sender_reports.insert(
+            key.clone(),
+            serde_json::to_value(&report).unwrap_or_default(),
+        );
+        senders.insert(key.clone(), model);
+    }
     // Every invocation on this folder (first run, resumes, shards) is kept;
     // the top-level command, revision and threads are the latest's.
     let revision = git_revision();
@@ -616,6 +638,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             "item_ids": sample.ids(),
         },
         "resources": resources_meta,
+        "senders": sender_reports,
         "template": cfg.run.template,
         "new_tokens": cfg.run.new_tokens,
         "max_prompt_tokens": split.max_prompt_tokens,
@@ -677,7 +700,8 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         Batching::OneAtATime
     } else {
         Batching::Batched
-    });
+    })
+    .with_senders(&senders);
     let t_run = Instant::now();
     let mut done = 0usize;
     for &c in &todo {

@@ -680,7 +680,14 @@ inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "hold
     let set = tolerable_driver::items::ItemSet::new(items.items, 2, 3).unwrap();
     let none = BTreeMap::new();
     let memo = Memo::default();
-    let passes = item_passes(&ck.model, &set.pairs[0], &set.partners_of(0), &plan.needs).unwrap();
+    let passes = item_passes(
+        &ck.model,
+        &set.pairs[0],
+        &set.partners_of(0),
+        &plan.needs,
+        &BTreeMap::new(),
+    )
+    .unwrap();
     let cx = ItemCx {
         model: &ck.model,
         passes: &passes,
@@ -741,4 +748,116 @@ inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "hold
             assert_ne!(bits(&a.k), bits(&b.k), "keys of layer {l}");
         }
     }
+}
+
+/// Held-out senders: the receiver re-quantized, or moved by weight noise,
+/// pass their gates before any item and read the passage for the holder
+/// arms; their cache cosine to the receiver is recorded.
+#[test]
+fn held_out_senders_are_built_gated_and_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let text = format!(
+        r#"
+[run]
+name = "senders"
+model = "{}"
+new_tokens = 3
+[data]
+source = "synthetic"
+n = 2
+
+[[arms]]
+name = "kv_augment"
+inject = {{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}
+
+[[arms]]
+name = "kv_augment_q8"
+holder = {{ requantize = "Q8_0" }}
+inject = {{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}
+
+[[arms]]
+name = "kv_augment_q4k"
+holder = {{ requantize = "Q4_K" }}
+inject = {{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}
+
+[[arms]]
+name = "act_noise_sender"
+holder = {{ weight_cosine = 0.99 }}
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "holder" }}
+"#,
+        model.display()
+    );
+    let cfg = dir.path().join("senders.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let out = dir.path().join("run");
+    sweep::run(
+        &cfg,
+        &SweepOptions {
+            out: Some(out.clone()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    let senders = meta["senders"].as_object().unwrap();
+    assert_eq!(senders.len(), 3, "{senders:?}");
+    for (key, r) in senders {
+        assert_eq!(r["passed"], true, "{key}");
+        let c = r["cache_cosine"].as_f64().unwrap();
+        assert!(c > 0.5 && c < 1.0, "{key}: {c}");
+    }
+    // Closer weights, closer caches.
+    let cos = |k: &str| senders[k]["weight_cosine"].as_f64().unwrap();
+    assert!(cos("requantize=Q8_0") > 0.9999 && cos("requantize=Q8_0") > cos("requantize=Q4_K"));
+    // The tiny model's rows are 64 wide: Q4_K (blocks of 256) falls back to Q4_1.
+    assert!(
+        senders["requantize=Q4_K"]["matrix_types"]["Q4_1"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    let (names, all) = rows(&out.join("items/cell-00000.parquet"));
+    let arm = col(&names, &all, "arm");
+    let fid = col(&names, &all, "fidelity_cosine");
+    let inj = col(&names, &all, "injections");
+    for (i, a) in arm.iter().enumerate() {
+        if a == "kv_augment" {
+            assert_eq!(fid[i].parse::<f64>().unwrap(), 1.0);
+        }
+        if a == "kv_augment_q8" {
+            let f: f64 = fid[i].parse().unwrap();
+            assert!(f < 1.0 && f > 0.9, "{f}");
+            assert!(inj[i].contains("sender"), "{}", inj[i]);
+        }
+    }
+    // Bad senders are refused before any work, naming the field.
+    let bad = |holder: &str| {
+        let t = format!(
+            "[run]\nname = \"b\"\nmodel = \"{}\"\n[data]\nsource = \"synthetic\"\nn = 2\n[[arms]]\nname = \"a\"\nholder = {holder}\ninject = {{ carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}\n",
+            model.display()
+        );
+        let p = dir.path().join("bad.toml");
+        std::fs::write(&p, t).unwrap();
+        sweep::run(
+            &p,
+            &SweepOptions {
+                out: Some(dir.path().join("bad")),
+                ..Default::default()
+            },
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let e = bad("{ requantize = \"Q7_0\" }");
+    assert!(
+        e.contains("arms[0].holder.requantize") && e.contains("Q7_0"),
+        "{e}"
+    );
+    let e = bad("{ weight_cosine = 1.5 }");
+    assert!(e.contains("arms[0].holder.weight_cosine"), "{e}");
+    let e = bad("{ requantize = \"Q8_0\", weight_cosine = 0.9 }");
+    assert!(e.contains("arms[0].holder"), "{e}");
+    assert!(!dir.path().join("bad").exists());
 }

@@ -202,6 +202,49 @@ impl Model {
         })
     }
 
+    /// A model of the same architecture whose weight matrices are `f`
+    /// applied to these (norms and biases are kept): held-out senders built
+    /// from the receiver by re-quantization or calibrated weight noise.
+    /// `f` gets each matrix's GGUF name (`token_embd`, `output`,
+    /// `blk.{l}.attn_q`, `attn_k`, `attn_v`, `attn_output`, `ffn_gate`,
+    /// `ffn_up`, `ffn_down`) and its f32 weights `[out, in]`; f32 models only.
+    pub fn map_weights(&self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<Model> {
+        if self.precision != Precision::F32 {
+            return Err(RuntimeError::BadIntervention {
+                site: "map_weights".into(),
+                reason: "weights are mapped on f32 models only".into(),
+            });
+        }
+        let dense = |p: &Proj| p.dense();
+        let mut out = self.clone();
+        out.embed = f("token_embd", &self.embed)?;
+        out.lm_head = Proj::Dense(f("output", &dense(&self.lm_head)?)?);
+        let (nq, nkv) = (
+            self.cfg.n_heads * self.cfg.head_dim,
+            self.cfg.n_kv_heads * self.cfg.head_dim,
+        );
+        for (l, blk) in out.blocks.iter_mut().enumerate() {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            if let Qkv::Fused { w, .. } = &mut blk.qkv {
+                let full = w.dense()?;
+                let q = f(&n("attn_q"), &full.narrow(0, 0, nq)?)?;
+                let k = f(&n("attn_k"), &full.narrow(0, nq, nkv)?)?;
+                let v = f(&n("attn_v"), &full.narrow(0, nq + nkv, nkv)?)?;
+                *w = Proj::Dense(Tensor::cat(&[&q, &k, &v], 0)?);
+            }
+            blk.o = Proj::Dense(f(&n("attn_output"), &blk.o.dense()?)?);
+            if let GateUp::Fused(w) = &mut blk.gate_up {
+                let full = w.dense()?;
+                let ff = self.cfg.d_ffn;
+                let g = f(&n("ffn_gate"), &full.narrow(0, 0, ff)?)?;
+                let u = f(&n("ffn_up"), &full.narrow(0, ff, ff)?)?;
+                *w = Proj::Dense(Tensor::cat(&[&g, &u], 0)?);
+            }
+            blk.down = Proj::Dense(f(&n("ffn_down"), &blk.down.dense()?)?);
+        }
+        Ok(out)
+    }
+
     /// The architecture.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
