@@ -38,10 +38,9 @@ fn main() {
     let mut samples = vec![12.5, 9.0, 14.25, 11.0, 30.0, 10.5];
     samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let median = percentile(&samples, 0.5);
-    let p90 = percentile(&samples, 0.9);
     if let Some(s) = summarize(&samples) {
         let spread = s.max - s.min;
         println!("n={} mean={:.2} sd={:.2}", s.count, s.mean, s.variance.sqrt());
-        println!("median={median} p90={p90} spread={spread}");
+        println!("median={median} spread={spread}");
     }
 }

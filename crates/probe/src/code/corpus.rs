@@ -23,10 +23,18 @@ impl CodeContext {
     /// A context from a file name and its text; the language comes from the
     /// extension.
     pub fn new(name: &str, text: &str) -> Result<Self> {
-        let ext = Path::new(name).extension().and_then(|e| e.to_str()).unwrap_or("");
-        let language = Language::from_extension(ext)
-            .ok_or_else(|| ProbeError::Config(format!("code context {name}: unknown extension {ext:?}")))?;
-        Ok(Self { name: name.into(), language, text: text.into() })
+        let ext = Path::new(name)
+            .extension()
+            .and_then(|e| e.to_str())
+            .unwrap_or("");
+        let language = Language::from_extension(ext).ok_or_else(|| {
+            ProbeError::Config(format!("code context {name}: unknown extension {ext:?}"))
+        })?;
+        Ok(Self {
+            name: name.into(),
+            language,
+            text: text.into(),
+        })
     }
 }
 
@@ -73,7 +81,9 @@ pub fn builtin() -> Vec<CodeContext> {
     BUILTIN_FILES
         .iter()
         .zip(BUILTIN_TEXTS)
-        .map(|(name, text)| CodeContext::new(name, text).expect("built-in corpus file with a known extension"))
+        .map(|(name, text)| {
+            CodeContext::new(name, text).expect("built-in corpus file with a known extension")
+        })
         .collect()
 }
 
@@ -87,8 +97,13 @@ pub fn load_dir(dir: &Path) -> Result<Vec<CodeContext>> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
-        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
-        let known = path.extension().and_then(|e| e.to_str()).and_then(Language::from_extension);
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        let known = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .and_then(Language::from_extension);
         if path.is_file() && known.is_some() {
             out.push(CodeContext::new(name, &std::fs::read_to_string(&path)?)?);
         }

@@ -34,7 +34,6 @@ pub(crate) struct Tok {
 #[derive(Debug, Clone)]
 pub(crate) struct Lexed<'a> {
     pub src: &'a str,
-    pub lang: Language,
     pub toks: Vec<Tok>,
     /// Byte offset where each line starts.
     pub line_starts: Vec<usize>,
@@ -53,7 +52,11 @@ impl<'a> Lexed<'a> {
         let n = b.len();
         let mut toks = Vec::new();
         let mut i = 0;
-        let line_comment: &[u8] = if lang == Language::Python { b"#" } else { b"//" };
+        let line_comment: &[u8] = if lang == Language::Python {
+            b"#"
+        } else {
+            b"//"
+        };
         while i < n {
             let c = b[i];
             if c.is_ascii_whitespace() {
@@ -66,7 +69,11 @@ impl<'a> Lexed<'a> {
                 while i < n && b[i] != b'\n' {
                     i += 1;
                 }
-                toks.push(Tok { kind: Kind::Comment, start, end: i });
+                toks.push(Tok {
+                    kind: Kind::Comment,
+                    start,
+                    end: i,
+                });
                 continue;
             }
             if lang != Language::Python && b[i..].starts_with(b"/*") {
@@ -75,12 +82,20 @@ impl<'a> Lexed<'a> {
                     i += 1;
                 }
                 i = (i + 2).min(n);
-                toks.push(Tok { kind: Kind::Comment, start, end: i });
+                toks.push(Tok {
+                    kind: Kind::Comment,
+                    start,
+                    end: i,
+                });
                 continue;
             }
             // Identifiers, and string prefixes glued to a quote.
             if c.is_ascii_alphabetic() || c == b'_' || (c == b'$' && lang.is_js()) {
-                while i < n && (b[i].is_ascii_alphanumeric() || b[i] == b'_' || (b[i] == b'$' && lang.is_js())) {
+                while i < n
+                    && (b[i].is_ascii_alphanumeric()
+                        || b[i] == b'_'
+                        || (b[i] == b'$' && lang.is_js()))
+                {
                     i += 1;
                 }
                 let word = &src[start..i];
@@ -91,37 +106,68 @@ impl<'a> Lexed<'a> {
                     && !(lang == Language::Rust && b[i] == b'\'' && word != "b")
                 {
                     i = scan_string(b, i, lang);
-                    toks.push(Tok { kind: Kind::Str, start, end: i });
+                    toks.push(Tok {
+                        kind: Kind::Str,
+                        start,
+                        end: i,
+                    });
                 } else {
-                    toks.push(Tok { kind: Kind::Ident, start, end: i });
+                    toks.push(Tok {
+                        kind: Kind::Ident,
+                        start,
+                        end: i,
+                    });
                 }
                 continue;
             }
             if c.is_ascii_digit() {
                 i = scan_number(b, i);
-                toks.push(Tok { kind: Kind::Number, start, end: i });
+                toks.push(Tok {
+                    kind: Kind::Number,
+                    start,
+                    end: i,
+                });
                 continue;
             }
-            if c == b'"' || c == b'`' || (c == b'\'' && !(lang == Language::Rust && is_lifetime(b, i))) {
+            if c == b'"'
+                || c == b'`'
+                || (c == b'\'' && !(lang == Language::Rust && is_lifetime(b, i)))
+            {
                 i = scan_string(b, i, lang);
-                toks.push(Tok { kind: Kind::Str, start, end: i });
+                toks.push(Tok {
+                    kind: Kind::Str,
+                    start,
+                    end: i,
+                });
                 continue;
             }
             let rest = &src[i..];
-            let op = OPS3
-                .iter()
-                .chain(OPS2)
-                .find(|op| rest.starts_with(**op) && (**op != "//" && **op != "//=" || lang == Language::Python));
-            let len = op.map_or_else(|| rest.chars().next().map_or(1, char::len_utf8), |op| op.len());
+            let op = OPS3.iter().chain(OPS2).find(|op| {
+                rest.starts_with(**op)
+                    && (**op != "//" && **op != "//=" || lang == Language::Python)
+            });
+            let len = op.map_or_else(
+                || rest.chars().next().map_or(1, char::len_utf8),
+                |op| op.len(),
+            );
             i += len;
-            toks.push(Tok { kind: Kind::Punct, start, end: i });
+            toks.push(Tok {
+                kind: Kind::Punct,
+                start,
+                end: i,
+            });
         }
         let mut line_starts = vec![0];
         line_starts.extend(src.match_indices('\n').map(|(k, _)| k + 1));
-        Self { src, lang, toks, line_starts }
+        Self {
+            src,
+            toks,
+            line_starts,
+        }
     }
 
     /// The text of token `k`.
+    #[cfg(test)]
     pub fn text(&self, k: usize) -> &'a str {
         &self.src[self.toks[k].start..self.toks[k].end]
     }
@@ -134,23 +180,11 @@ impl<'a> Lexed<'a> {
     /// The byte span of line `l` without its newline.
     pub fn line_span(&self, l: usize) -> (usize, usize) {
         let s = self.line_starts[l];
-        let e = self.line_starts.get(l + 1).map_or(self.src.len(), |&x| x - 1);
+        let e = self
+            .line_starts
+            .get(l + 1)
+            .map_or(self.src.len(), |&x| x - 1);
         (s, e)
-    }
-
-    /// Indices of the code tokens (comments left out).
-    pub fn code(&self) -> Vec<usize> {
-        (0..self.toks.len()).filter(|&k| self.toks[k].kind != Kind::Comment).collect()
-    }
-
-    /// Whether token `k` is the punctuation `p`.
-    pub fn is(&self, k: usize, p: &str) -> bool {
-        self.toks[k].kind == Kind::Punct && self.text(k) == p
-    }
-
-    /// Whether token `k` is the identifier or keyword `w`.
-    pub fn is_word(&self, k: usize, w: &str) -> bool {
-        self.toks[k].kind == Kind::Ident && self.text(k) == w
     }
 }
 
@@ -195,7 +229,11 @@ fn scan_number(b: &[u8], mut i: usize) -> usize {
     while i < n {
         let c = b[i];
         if c.is_ascii_alphanumeric() || c == b'_' {
-            if !hex && (c == b'e' || c == b'E') && i + 1 < n && (b[i + 1] == b'+' || b[i + 1] == b'-') {
+            if !hex
+                && (c == b'e' || c == b'E')
+                && i + 1 < n
+                && (b[i + 1] == b'+' || b[i + 1] == b'-')
+            {
                 i += 2;
                 continue;
             }
@@ -215,7 +253,9 @@ mod tests {
 
     fn kinds(src: &str, lang: Language) -> Vec<(Kind, &str)> {
         let l = Lexed::new(src, lang);
-        (0..l.toks.len()).map(|k| (l.toks[k].kind, l.text(k))).collect()
+        (0..l.toks.len())
+            .map(|k| (l.toks[k].kind, l.text(k)))
+            .collect()
     }
 
     #[test]
@@ -233,7 +273,10 @@ mod tests {
                 (Kind::Number, "2.5e-3"),
             ]
         );
-        let v = kinds("fn f<'a>(s: &'a str) -> char { 'x' } // end", Language::Rust);
+        let v = kinds(
+            "fn f<'a>(s: &'a str) -> char { 'x' } // end",
+            Language::Rust,
+        );
         assert!(v.contains(&(Kind::Str, "'x'")));
         assert!(v.contains(&(Kind::Punct, "->")));
         assert!(v.contains(&(Kind::Comment, "// end")));

@@ -94,10 +94,4 @@ impl Language {
     pub(crate) fn is_js(self) -> bool {
         matches!(self, Language::JavaScript | Language::TypeScript)
     }
-
-    /// Whether statements and blocks are delimited by braces (every language
-    /// but Python).
-    pub(crate) fn braces(self) -> bool {
-        self != Language::Python
-    }
 }

@@ -73,7 +73,13 @@ pub fn pair_id(context: &str, archetype: Archetype) -> String {
 pub fn edit_seed(seed: u64, context: &str, archetype: Archetype) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let bytes = seed.to_le_bytes();
-    let parts: [&[u8]; 5] = [&bytes, b"/", context.as_bytes(), b"/", archetype.name().as_bytes()];
+    let parts: [&[u8]; 5] = [
+        &bytes,
+        b"/",
+        context.as_bytes(),
+        b"/",
+        archetype.name().as_bytes(),
+    ];
     for b in parts.iter().flat_map(|p| p.iter()) {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0100_0000_01b3);
@@ -108,7 +114,12 @@ impl CodePair {
         }
         let base = orig[shared..].to_vec();
         let alt = edited[shared..].to_vec();
-        let common_suffix = base.iter().rev().zip(alt.iter().rev()).take_while(|(a, b)| a == b).count();
+        let common_suffix = base
+            .iter()
+            .rev()
+            .zip(alt.iter().rev())
+            .take_while(|(a, b)| a == b)
+            .count();
         let pair = ContextPair {
             id,
             shared: orig[..shared].to_vec(),
@@ -157,7 +168,9 @@ fn token_ends(tk: &Tokenizer, ids: &[u32], text: &str) -> Result<Vec<usize>> {
         ends.push(tk.decode(&ids[..i])?.len());
     }
     if ends.last().copied().unwrap_or(0) != text.len() {
-        return Err(ProbeError::Config("code pair: the tokens do not decode back to the text".into()));
+        return Err(ProbeError::Config(
+            "code pair: the tokens do not decode back to the text".into(),
+        ));
     }
     Ok(ends)
 }
@@ -201,16 +214,27 @@ impl CodeEdits {
 /// [`edit_seed`]) and builds the pairs; an archetype without a site is
 /// recorded in [`CodeEdits::skips`].
 pub fn build_all(contexts: &[CodeContext], tk: &Tokenizer, seed: u64) -> Result<CodeEdits> {
-    let mut out = CodeEdits { pairs: Vec::new(), skips: Vec::new() };
+    let mut out = CodeEdits {
+        pairs: Vec::new(),
+        skips: Vec::new(),
+    };
     for ctx in contexts {
         for a in Archetype::ALL {
             let s = edit_seed(seed, &ctx.name, a);
             match a.apply(&ctx.text, ctx.language, s) {
                 Ok(edit) => out.pairs.push(CodePair::build(ctx, &edit, s, tk)?),
-                Err(reason) => out.skips.push(Skipped { context: ctx.name.clone(), archetype: a, reason }),
+                Err(reason) => out.skips.push(Skipped {
+                    context: ctx.name.clone(),
+                    archetype: a,
+                    reason,
+                }),
             }
         }
     }
-    tracing::debug!(pairs = out.pairs.len(), skips = out.skips.len(), "code edits built");
+    tracing::debug!(
+        pairs = out.pairs.len(),
+        skips = out.skips.len(),
+        "code edits built"
+    );
     Ok(out)
 }
