@@ -6,6 +6,9 @@
 //! - `gates --model <id>`: run the parity, rebuild and identity gates.
 //! - `bench [--model <id>] [--json]`: speed figures as ratios against candle-transformers.
 //! - `sweep [--config F] [--out D] [--shard i/n] [--data squad_dev=P] [--n N]`: run a sweep.
+//! - `measure [--config F] [--out D] [--contexts a,b] [--dry-run]`: a
+//!   measurement run (`[measure]` configs: Mode D); `sweep --config F` on
+//!   such a config runs it too.
 //! - `report <run-dir>`: Markdown tables and plots of a finished run.
 //! - `compare <run-a> <run-b>`: item rows of two runs compared value for value.
 #![allow(clippy::cloned_ref_to_slice_refs)] // `&[ids.clone()]` reads better as a batch of one
@@ -13,6 +16,7 @@
 mod anchors;
 mod bench;
 mod bench_arms;
+mod measure;
 mod prompts;
 mod sweep;
 
@@ -72,6 +76,10 @@ enum Cmd {
     /// Run a sweep config (default configs/quickstart.toml): gates, then
     /// resumable cells of Parquet records, then the summary and report.
     Sweep(sweep::SweepArgs),
+    /// Run a measurement config (default configs/mode-d.toml): gates, then
+    /// resumable units of Parquet records (Mode D: the oracle gate first),
+    /// then the summary and report.
+    Measure(measure::MeasureArgs),
     /// Markdown tables and PNG plots of a finished run folder.
     Report {
         /// The run folder (holding run.json and summary.parquet).
@@ -163,6 +171,7 @@ fn main() -> Result<()> {
         }
         Cmd::Anchors(args) => anchors::run(args)?,
         Cmd::Sweep(args) => sweep::run(args)?,
+        Cmd::Measure(args) => measure::run(args)?,
         Cmd::Report { dir } => sweep::report(dir)?,
         Cmd::Bench(opts) => bench::run(opts)?,
         Cmd::Compare { a, b, out } => {

@@ -68,6 +68,29 @@ fn parse_data(s: &str) -> std::result::Result<(String, PathBuf), String> {
 }
 
 pub fn run(a: SweepArgs) -> Result<()> {
+    // A measurement config (`[measure]` instead of `[data]` and `[[arms]]`)
+    // is run by `measure`; the sweep-only flags do not apply to it.
+    if a.config.exists() && tolerable_driver::measure::is_measure_config(&a.config)? {
+        if a.shard.is_some()
+            || !a.data.is_empty()
+            || a.n.is_some()
+            || a.merge
+            || a.resources.is_some()
+        {
+            bail!(
+                "{} is a measurement config: --shard, --data, --n, --merge and --resources do not apply (see `cargo xtask measure --help`)",
+                a.config.display()
+            );
+        }
+        return crate::measure::run(crate::measure::MeasureArgs {
+            config: a.config,
+            out: a.out,
+            contexts: None,
+            layers: None,
+            dry_run: a.dry_run,
+            report: a.report,
+        });
+    }
     let opts = SweepOptions {
         out: a.out.clone(),
         shard: a.shard,

@@ -6,7 +6,9 @@
 //! on training items and cached by content hash. The [`runner`] is the
 //! per-item loop: shared passes ([`passes`]), programs ([`exec`]), batched
 //! decoding. [`records`] writes Parquet declared once; [`sweep`] makes runs
-//! resumable and sharded; [`report`] draws them.
+//! resumable and sharded; [`report`] draws them. Measurements that are not
+//! arms (Mode D's activation deltas for code edits) are [`measure`] runs,
+//! recorded with the same provenance.
 #![warn(missing_docs)]
 
 pub mod arm;
@@ -15,6 +17,7 @@ pub mod error;
 pub mod exec;
 pub mod gates;
 pub mod items;
+pub mod measure;
 pub mod passes;
 pub mod plan;
 pub mod records;

@@ -27,7 +27,8 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 }
 
 /// Writes `report.md` and `plots/*.png` for the run in `run_dir`; returns
-/// the report's path.
+/// the report's path. A measurement run's folder gets its own report
+/// ([`crate::measure::report::write`]).
 pub fn write(run_dir: &Path) -> Result<PathBuf> {
     let meta_path = run_dir.join("run.json");
     let meta: serde_json::Value = serde_json::from_str(
@@ -35,6 +36,10 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
             .map_err(io(format!("reading {}", meta_path.display())))?,
     )
     .map_err(|e| DriverError::Records(format!("{}: {e}", meta_path.display())))?;
+    // Measurement runs (`[measure]` configs) have reports of their own.
+    if meta["kind"] == "measure" {
+        return crate::measure::report::write(run_dir);
+    }
     if !run_dir.join("summary.parquet").exists() {
         return Err(DriverError::Records(format!(
             "{} has no summary.parquet: the sweep has unfinished cells (rerun it, or merge its shards)",
@@ -199,7 +204,7 @@ fn font_bytes() -> Result<&'static [u8]> {
     )))
 }
 
-fn register_font() -> Result<()> {
+pub(crate) fn register_font() -> Result<()> {
     static ONCE: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
     ONCE.get_or_init(|| {
         let bytes = font_bytes().map_err(|e| e.to_string())?;

@@ -69,7 +69,7 @@ pub fn model_config_of(id: &str) -> Result<ModelConfig> {
 
 /// The geometry and tokenizer of a model: a GGUF file's header only (no
 /// weights), or, for a checkpoint folder, the loaded checkpoint.
-fn header(id: &str) -> Result<(ModelConfig, Tokenizer, PathBuf)> {
+pub(crate) fn header(id: &str) -> Result<(ModelConfig, Tokenizer, PathBuf)> {
     let path = tolerable_fetch::resolve(id)?.path;
     if path.is_dir() {
         let ck = Checkpoint::load_path(id, &path, Precision::F32, &candle_core::Device::Cpu)?;
@@ -87,7 +87,7 @@ fn header(id: &str) -> Result<(ModelConfig, Tokenizer, PathBuf)> {
 
 /// The git revision of the working tree, `-dirty` when tracked files
 /// outside `results/` have changes.
-fn git_revision() -> String {
+pub(crate) fn git_revision() -> String {
     let run = |args: &[&str]| {
         std::process::Command::new("git")
             .args(args)
@@ -119,7 +119,7 @@ fn git_revision() -> String {
     }
 }
 
-fn write_json_atomic(path: &Path, v: &serde_json::Value) -> Result<()> {
+pub(crate) fn write_json_atomic(path: &Path, v: &serde_json::Value) -> Result<()> {
     let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
     if let Err(e) = std::fs::write(&tmp, serde_json::to_string_pretty(v).unwrap_or_default()) {
         let _ = std::fs::remove_file(&tmp);
@@ -200,11 +200,16 @@ pub fn bytes_needed(items: usize, arms: usize) -> u64 {
 /// Checks, before anything expensive, that the output folder can be
 /// created and written and that its file system has room for the records.
 fn check_writable(dir: &Path, need: u64) -> Result<()> {
+    check_writable_in(dir, "items", need)
+}
+
+/// [`check_writable`] for a run folder whose records go under `sub`.
+pub(crate) fn check_writable_in(dir: &Path, sub: &str, need: u64) -> Result<()> {
     let unusable = |reason: String| DriverError::OutDir {
         dir: dir.display().to_string(),
         reason,
     };
-    std::fs::create_dir_all(dir.join("items"))
+    std::fs::create_dir_all(dir.join(sub))
         .map_err(|e| unusable(format!("cannot be created ({e})")))?;
     let probe = dir.join(format!(".write-check-{}", std::process::id()));
     std::fs::write(&probe, b"tolerable").map_err(|e| unusable(format!("is not writable ({e})")))?;
@@ -589,6 +594,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     invocations.push(serde_json::json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "git_revision": revision,
+        "build_revision": env!("TOLERABLE_BUILD_REVISION"),
         "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")),
         "gates_passed": true,
         "threads": candle_core::utils::get_num_threads(),
@@ -628,6 +634,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             "config": ck.model.config(),
         },
         "git_revision": revision,
+        "build_revision": env!("TOLERABLE_BUILD_REVISION"),
         "seeds": { "sample": cfg.run.seed, "pairing": cfg.run.seed, "perturbation": cfg.run.seed },
         "data": {
             "source": cfg.data.source.name(),

@@ -35,6 +35,16 @@ fn shipped_configs_parse_expand_and_round_trip() {
         }
     }
     for p in files {
+        // Measurement configs (`[measure]`) have their own grammar; they
+        // parse and round-trip through TOML too.
+        if tolerable_driver::measure::is_measure_config(&p).unwrap() {
+            let cfg = tolerable_driver::measure::MeasureConfig::from_file(&p).unwrap();
+            let text = toml::to_string(&cfg).unwrap();
+            let back = tolerable_driver::measure::MeasureConfig::parse(&text)
+                .unwrap_or_else(|e| panic!("{text}\n{e}"));
+            assert_eq!(back, cfg, "{text}");
+            continue;
+        }
         {
             let cfg = SweepConfig::from_file(&p).unwrap();
             assert_eq!(

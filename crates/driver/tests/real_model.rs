@@ -103,7 +103,8 @@ fn runner_on_the_real_model_matches_plain_generation_and_passes_its_gates() {
 }
 
 /// Every shipped config compiles against its receiver's real geometry (the
-/// model file's header; configs of receivers not fetched here are skipped).
+/// model file's header; configs of receivers not fetched here are skipped);
+/// measurement configs are planned against it.
 #[test]
 fn shipped_configs_compile_against_their_receivers() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
@@ -117,6 +118,19 @@ fn shipped_configs_compile_against_their_receivers() {
                 continue;
             }
             if p.extension().is_none_or(|x| x != "toml") {
+                continue;
+            }
+            // Measurement configs (`[measure]`) plan against the model's
+            // header and tokenizer: every field checked, every pair built.
+            if tolerable_driver::measure::is_measure_config(&p).unwrap() {
+                let cfg = tolerable_driver::measure::MeasureConfig::from_file(&p).unwrap();
+                if tolerable_fetch::resolve(&cfg.run.model).is_err() {
+                    eprintln!("skipping {}: {} is not fetched", p.display(), cfg.run.model);
+                    continue;
+                }
+                tolerable_driver::measure::dry_run(&p, &Default::default())
+                    .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                compiled += 1;
                 continue;
             }
             let cfg = SweepConfig::from_file(&p).unwrap();

@@ -1,6 +1,7 @@
 //! Records: one row per (run, arm, item) in per-cell Parquet files under
 //! `items/`, one row per (run, arm) in `summary.parquet`, and one row per
-//! sampled item in `sample.parquet`. Each row type is declared once
+//! sampled item in `sample.parquet`; measurement runs ([`crate::measure`])
+//! write long-format [`MeasureRow`]s. Each row type is declared once
 //! ([`record!`](crate::record)): the declaration writes, reads and
 //! documents its columns.
 //!
@@ -10,6 +11,7 @@
 
 pub mod columns;
 pub mod compare;
+pub mod measure;
 pub mod summary;
 
 use crate::config::PlannedArm;
@@ -19,6 +21,7 @@ use columns::Columns;
 use polars::prelude::*;
 use std::path::{Path, PathBuf};
 
+pub use measure::MeasureRow;
 pub use summary::{summarize, SummaryRow};
 
 record! {

@@ -1,0 +1,728 @@
+//! Measurement runs: measurements that are not arms (PROTOCOL.md §10, last
+//! line), recorded to Parquet with the same provenance as sweeps.
+//!
+//! A measurement config is a TOML file with a `[run]` table and a
+//! `[measure]` table (instead of `[data]` and `[[arms]]`); `kind` names the
+//! measurement. The one kind so far is `mode_d` ([`mode_d`]: activation-delta
+//! caching for code edits, measured against prefix KV reuse).
+//!
+//! ```toml
+//! [run]
+//! name = "mode-d-0.5b"
+//! model = "qwen2.5-coder-0.5b-instruct"   # catalog id, hf:org/repo or a path
+//! precision = "f32"                       # f32 or quantized
+//! seed = 0                                # the edits' site picks
+//!
+//! [measure]
+//! kind = "mode_d"
+//! taus = [0.05, 0.1, 0.2]                 # dirtiness thresholds, each in (0, inf)
+//! layers = "all"                          # injection layers (LayerSet syntax)
+//! contexts = "builtin"                    # the probe's corpus, or a folder of code files
+//! # select = ["py_bank.py", "rs_stack.rs"] # only these contexts (file names)
+//! # archetypes = ["rename_identifier"]    # only these archetypes (default all seven)
+//! min_downstream = 8                      # fewer common-suffix tokens: the pair is skipped
+//! timing_reps = 1                         # timed calls repeated, the fastest kept
+//! ```
+//!
+//! The shared machinery here is the run folder: the config is validated
+//! (errors name the field) and its pairs built before the model loads, the
+//! model is loaded through [`tolerable_fetch::load`] (sha256 verified), the
+//! runtime gates run first and nothing is written if one fails, `run.json`
+//! carries the config, its hash, the model's id, sha256, path, precision and
+//! geometry, the git revision, the skips and every invocation; each unit
+//! (a context) is written atomically and a rerun skips finished units. It
+//! also holds what any measurement of the forward pass needs: the analytic
+//! FLOP count ([`FlopModel`]), next-token comparisons against a reference
+//! ([`LogitReference`]) and per-position relative L2 ([`relative_l2_rows`]).
+
+pub mod mode_d;
+pub mod report;
+
+use crate::error::{io, DriverError, Result};
+use crate::records::{self, columns, MeasureRow};
+use candle_core::{Tensor, D};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+pub use mode_d::ModeDSpec;
+
+/// The `[run]` table of a measurement config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeasureRunSection {
+    /// Run name: the default output folder is `results/<name>`.
+    pub name: String,
+    /// The model: a catalog id, `hf:org/repo`, or a path.
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// `f32` (default) or `quantized`.
+    #[serde(default = "default_precision")]
+    pub precision: String,
+    /// Seed of the measurement's random choices (Mode D: the edits' sites).
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn default_model() -> String {
+    "qwen2.5-coder-0.5b-instruct".into()
+}
+fn default_precision() -> String {
+    "f32".into()
+}
+
+/// What a `[measure]` table asks for, by `kind`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MeasureSpec {
+    /// Mode D: activation-delta caching for code edits ([`mode_d`]).
+    ModeD(ModeDSpec),
+}
+
+impl MeasureSpec {
+    /// The kind's name (`mode_d`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            MeasureSpec::ModeD(_) => "mode_d",
+        }
+    }
+}
+
+/// A parsed measurement config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MeasureConfig {
+    /// The `[run]` table.
+    pub run: MeasureRunSection,
+    /// The `[measure]` table.
+    pub measure: MeasureSpec,
+}
+
+fn cfg_err(msg: impl Into<String>) -> DriverError {
+    DriverError::Config(msg.into())
+}
+
+/// Whether the TOML file at `path` is a measurement config (it has a
+/// `[measure]` table) rather than a sweep config.
+pub fn is_measure_config(path: &Path) -> Result<bool> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| cfg_err(format!("reading {}: {e}", path.display())))?;
+    let table: toml::Table =
+        toml::from_str(&text).map_err(|e| cfg_err(format!("{}: {e}", path.display())))?;
+    Ok(table.contains_key("measure"))
+}
+
+impl MeasureConfig {
+    /// Reads and checks a config file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| cfg_err(format!("reading {}: {e}", path.display())))?;
+        Self::parse(&text).map_err(|e| match e {
+            DriverError::Config(m) => cfg_err(format!("{}: {m}", path.display())),
+            other => other,
+        })
+    }
+
+    /// Parses and checks config text: every field that can be checked
+    /// without the model (the injection layers are checked against the
+    /// model's geometry, the contexts against its tokenizer, before the
+    /// weights load).
+    pub fn parse(text: &str) -> Result<Self> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| cfg_err(e.to_string()))?;
+        for key in table.keys() {
+            if !matches!(key.as_str(), "run" | "measure") {
+                return Err(cfg_err(format!(
+                    "unknown top-level field `{key}` in a measurement config (expected `run`, `measure`; `data` and `arms` belong to sweeps)"
+                )));
+            }
+        }
+        let run: MeasureRunSection = table
+            .get("run")
+            .cloned()
+            .ok_or_else(|| cfg_err("missing `[run]` table"))?
+            .try_into()
+            .map_err(|e: toml::de::Error| cfg_err(format!("[run]: {}", e.message())))?;
+        if run.name.trim().is_empty() {
+            return Err(cfg_err("[run] name: empty"));
+        }
+        if !matches!(run.precision.as_str(), "f32" | "quantized") {
+            return Err(cfg_err(format!(
+                "[run] precision: `{}`; expected `f32` or `quantized`",
+                run.precision
+            )));
+        }
+        let mut m = match table.get("measure") {
+            Some(toml::Value::Table(t)) => t.clone(),
+            Some(_) => return Err(cfg_err("`measure` must be a table (`[measure]`)")),
+            None => return Err(cfg_err("missing `[measure]` table")),
+        };
+        let kind = match m.remove("kind") {
+            Some(toml::Value::String(k)) => k,
+            Some(other) => {
+                return Err(cfg_err(format!(
+                    "[measure] kind: {other} is not a string; expected \"mode_d\""
+                )))
+            }
+            None => return Err(cfg_err("[measure] kind: missing; expected \"mode_d\"")),
+        };
+        let measure = match kind.as_str() {
+            "mode_d" => {
+                let spec: ModeDSpec = toml::Value::Table(m)
+                    .try_into()
+                    .map_err(|e: toml::de::Error| cfg_err(format!("[measure]: {}", e.message())))?;
+                spec.check()?;
+                MeasureSpec::ModeD(spec)
+            }
+            other => {
+                return Err(cfg_err(format!(
+                    "[measure] kind: `{other}` is not a measurement (expected \"mode_d\")"
+                )))
+            }
+        };
+        Ok(Self { run, measure })
+    }
+
+    /// A hash of everything that determines the records: unit files of runs
+    /// with equal hashes are interchangeable.
+    pub fn hash(&self) -> String {
+        let canon = serde_json::json!({ "run": self.run, "measure": self.measure });
+        let mut h = Sha256::new();
+        h.update(canon.to_string().as_bytes());
+        h.finalize()
+            .iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+}
+
+/// Options of one measurement invocation.
+#[derive(Debug, Clone, Default)]
+pub struct MeasureOptions {
+    /// Output folder (default `results/<run.name>`).
+    pub out: Option<PathBuf>,
+    /// Only these contexts (file names): replaces `[measure] select` (and
+    /// so changes the config hash: a restricted run needs its own folder).
+    pub contexts: Option<Vec<String>>,
+    /// Injection layers (`LayerSet` syntax): replaces `[measure] layers`
+    /// (the config hash changes too).
+    pub layers: Option<String>,
+}
+
+/// What a measurement invocation did.
+#[derive(Debug, Clone)]
+pub struct MeasureOutcome {
+    /// The run folder.
+    pub dir: PathBuf,
+    /// Units (contexts) of the run.
+    pub units: usize,
+    /// Units this invocation computed (both phases).
+    pub computed: usize,
+    /// Units found finished.
+    pub skipped: usize,
+    /// Whether `summary.parquet` was written (every unit finished).
+    pub summary_written: bool,
+}
+
+/// Loads a config and applies the command line's overrides.
+pub fn load_config(path: &Path, opts: &MeasureOptions) -> Result<MeasureConfig> {
+    let mut cfg = MeasureConfig::from_file(path)?;
+    if let Some(names) = &opts.contexts {
+        if names.is_empty() {
+            return Err(cfg_err("--contexts: an empty list"));
+        }
+        match &mut cfg.measure {
+            MeasureSpec::ModeD(s) => s.select = Some(names.clone()),
+        }
+    }
+    if let Some(layers) = &opts.layers {
+        let set: tolerable_carrier::LayerSet = layers
+            .parse()
+            .map_err(|e| cfg_err(format!("--layers {layers}: {e}")))?;
+        match &mut cfg.measure {
+            MeasureSpec::ModeD(s) => s.layers = set,
+        }
+    }
+    Ok(cfg)
+}
+
+/// The output folder of a config under the options.
+pub fn out_dir(cfg: &MeasureConfig, opts: &MeasureOptions) -> PathBuf {
+    opts.out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("results").join(&cfg.run.name))
+}
+
+/// Runs (or resumes) a measurement config.
+pub fn run(config_path: &Path, opts: &MeasureOptions) -> Result<MeasureOutcome> {
+    let cfg = load_config(config_path, opts)?;
+    match &cfg.measure {
+        MeasureSpec::ModeD(spec) => mode_d::run(config_path, &cfg, spec, opts),
+    }
+}
+
+/// What a measurement would do, without loading weights: its pairs, skips
+/// and an estimate of the work.
+pub fn dry_run(config_path: &Path, opts: &MeasureOptions) -> Result<String> {
+    let cfg = load_config(config_path, opts)?;
+    match &cfg.measure {
+        MeasureSpec::ModeD(spec) => mode_d::dry_run(&cfg, spec, opts),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The run folder.
+
+/// A measurement run's folder: `run.json`, per-unit files under
+/// subfolders, `summary.parquet`, the report.
+#[derive(Debug, Clone)]
+pub struct RunDir {
+    /// The folder.
+    pub dir: PathBuf,
+}
+
+impl RunDir {
+    /// The folder `dir`, after checking that it is empty of runs or holds
+    /// a run of this config (hash `hash`).
+    pub fn open(dir: &Path, hash: &str, unit_dirs: &[&str]) -> Result<Self> {
+        let meta = dir.join("run.json");
+        if meta.exists() {
+            let v = read_json(&meta).map_err(|e| DriverError::OutDir {
+                dir: dir.display().to_string(),
+                reason: format!("run.json is not readable ({e})"),
+            })?;
+            let theirs = v["config_hash"].as_str().unwrap_or("");
+            if theirs != hash {
+                return Err(DriverError::OutDir {
+                    dir: dir.display().to_string(),
+                    reason: format!(
+                        "it holds a run of another config (hash {theirs}, this one {hash}); choose another --out"
+                    ),
+                });
+            }
+        } else {
+            for sub in unit_dirs {
+                let d = dir.join(sub);
+                let any = std::fs::read_dir(&d)
+                    .map(|mut it| it.next().is_some())
+                    .unwrap_or(false);
+                if any {
+                    return Err(DriverError::OutDir {
+                        dir: dir.display().to_string(),
+                        reason: format!("it holds files under {sub}/ but no run.json"),
+                    });
+                }
+            }
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// `run.json`'s path.
+    pub fn meta_path(&self) -> PathBuf {
+        self.dir.join("run.json")
+    }
+
+    /// The previous invocations recorded in `run.json` (none for a new run).
+    pub fn invocations(&self) -> Vec<serde_json::Value> {
+        read_json(&self.meta_path())
+            .ok()
+            .and_then(|v| v["invocations"].as_array().cloned())
+            .unwrap_or_default()
+    }
+
+    /// Writes `run.json` atomically.
+    pub fn write_meta(&self, v: &serde_json::Value) -> Result<()> {
+        crate::sweep::write_json_atomic(&self.meta_path(), v)
+    }
+
+    /// The file of unit `name` under `sub`, with extension `ext`.
+    pub fn unit(&self, sub: &str, name: &str, ext: &str) -> PathBuf {
+        self.dir.join(sub).join(format!("{name}.{ext}"))
+    }
+}
+
+/// Reads a JSON file.
+pub fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(io(format!("reading {}", path.display())))?;
+    serde_json::from_str(&text)
+        .map_err(|e| DriverError::Records(format!("{}: {e}", path.display())))
+}
+
+/// The git revision the driver was built from, where the build recorded
+/// one (`TOLERABLE_BUILD_REVISION`), else `unknown`.
+pub fn build_revision() -> &'static str {
+    option_env!("TOLERABLE_BUILD_REVISION").unwrap_or("unknown")
+}
+
+/// The record of this invocation for `run.json`'s `invocations`.
+pub fn invocation(extra: serde_json::Value) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "git_revision": crate::sweep::git_revision(),
+        "build_revision": build_revision(),
+        "gates_passed": true,
+        "threads": candle_core::utils::get_num_threads(),
+        "unix_time": std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    });
+    if let (Some(o), serde_json::Value::Object(e)) = (v.as_object_mut(), extra) {
+        o.extend(e);
+    }
+    v
+}
+
+/// Writes measurement rows atomically (zstd Parquet, see
+/// [`records::write_rows`]).
+pub fn write_rows(rows: Vec<MeasureRow>, path: &Path) -> Result<()> {
+    records::write_rows(rows, path)
+}
+
+/// Reads measurement rows.
+pub fn read_rows(path: &Path) -> Result<Vec<MeasureRow>> {
+    columns::rows(&records::read_parquet(path)?)
+}
+
+/// Writes named tensors as safetensors atomically (a temporary name with
+/// the process id, then a rename).
+pub fn write_tensors_atomic(
+    tensors: &std::collections::BTreeMap<String, Tensor>,
+    path: &Path,
+) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let map: std::collections::HashMap<String, Tensor> = tensors
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if let Err(e) = candle_core::safetensors::save(&map, &tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(DriverError::Records(format!(
+            "writing {}: {e}",
+            tmp.display()
+        )));
+    }
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io(format!("renaming {} to {}", tmp.display(), path.display()))(e)
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Compute.
+
+/// Analytic FLOPs of the forward pass from a model's geometry: matrix
+/// multiplications only, two FLOPs per multiply-add.
+///
+/// One token at position `p` (attending over `p + 1` keys: the cache and
+/// itself) through one block costs
+///
+/// ```text
+/// proj(p) = 2·d·(n_h + 2·n_kv)·h_d      q, k, v projections
+///         + 2·(n_h·h_d)·d               output projection
+///         + 2·d·(2·d_ffn) + 2·d_ffn·d   gate, up and down projections
+/// attn(p) = 2·n_h·h_d·(p + 1)           scores q·kᵀ
+///         + 2·n_h·h_d·(p + 1)           weighted values p·v
+/// block(p) = proj(p) + attn(p)
+/// ```
+///
+/// and the head costs `2·d·V` per position whose logits are computed.
+/// Norms, RoPE, softmax, SiLU and residual additions (a few FLOPs per
+/// element, well under 1%) are not counted, nor is memory traffic. A run of
+/// tokens at positions `a..b` through `k` blocks costs
+/// `k · Σ_{p=a}^{b-1} block(p)`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FlopModel {
+    /// Residual width d.
+    pub d_model: usize,
+    /// Query heads n_h.
+    pub n_heads: usize,
+    /// Key/value heads n_kv.
+    pub n_kv_heads: usize,
+    /// Head width h_d.
+    pub head_dim: usize,
+    /// MLP width d_ffn.
+    pub d_ffn: usize,
+    /// Vocabulary V.
+    pub vocab: usize,
+    /// Blocks L.
+    pub n_layers: usize,
+}
+
+impl FlopModel {
+    /// The FLOP model of a model configuration.
+    pub fn of(cfg: &tolerable_runtime::ModelConfig) -> Self {
+        Self {
+            d_model: cfg.d_model,
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            d_ffn: cfg.d_ffn,
+            vocab: cfg.vocab_size,
+            n_layers: cfg.n_layers,
+        }
+    }
+
+    /// `proj(p)`: the projections of one token through one block.
+    pub fn projections(&self) -> f64 {
+        let (d, hd) = (self.d_model as f64, self.head_dim as f64);
+        let (nh, nkv, f) = (
+            self.n_heads as f64,
+            self.n_kv_heads as f64,
+            self.d_ffn as f64,
+        );
+        2.0 * d * (nh + 2.0 * nkv) * hd + 2.0 * nh * hd * d + 2.0 * d * 2.0 * f + 2.0 * f * d
+    }
+
+    /// `block(p)`: one token at position `p` through one block.
+    pub fn block(&self, p: usize) -> f64 {
+        self.projections() + 4.0 * (self.n_heads * self.head_dim) as f64 * (p + 1) as f64
+    }
+
+    /// Tokens at positions `a..b` through `blocks` blocks.
+    pub fn tokens(&self, a: usize, b: usize, blocks: usize) -> f64 {
+        if b <= a {
+            return 0.0;
+        }
+        let n = (b - a) as f64;
+        // Σ (p + 1) for p in a..b = n·(a + b + 1)/2.
+        let keys = n * (a + b + 1) as f64 / 2.0;
+        blocks as f64
+            * (n * self.projections() + 4.0 * (self.n_heads * self.head_dim) as f64 * keys)
+    }
+
+    /// The head at `positions` positions.
+    pub fn head(&self, positions: usize) -> f64 {
+        2.0 * (self.d_model * self.vocab) as f64 * positions as f64
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Comparisons.
+
+/// Per position of `a` and `b` (`[1, n, d]` or `[n, d]`): `|a − b| / |b|`
+/// (the relative L2 of `a`'s displacement from the reference `b`); infinite
+/// where `b` is zero and `a` is not, 0 where both are.
+pub fn relative_l2_rows(a: &Tensor, b: &Tensor) -> Result<Vec<f64>> {
+    let a = a.to_dtype(candle_core::DType::F64)?;
+    let b = b.to_dtype(candle_core::DType::F64)?;
+    let num: Vec<f64> = (&a - &b)?.sqr()?.sum(D::Minus1)?.flatten_all()?.to_vec1()?;
+    let den: Vec<f64> = b.sqr()?.sum(D::Minus1)?.flatten_all()?.to_vec1()?;
+    Ok(num
+        .iter()
+        .zip(&den)
+        .map(|(&n, &r)| {
+            if r == 0.0 {
+                if n == 0.0 {
+                    0.0
+                } else {
+                    f64::INFINITY
+                }
+            } else {
+                (n / r).sqrt()
+            }
+        })
+        .collect())
+}
+
+/// The fraction of values above `tau` (0 for none).
+pub fn fraction_above(values: &[f64], tau: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.iter().filter(|&&v| v > tau).count() as f64 / values.len() as f64
+}
+
+/// A reference next-token distribution at n positions (the full
+/// recompute), prepared once for many comparisons: per position the
+/// probabilities and `Σ p log p` in f64, and the argmax.
+///
+/// `KL(p || q) = Σ p·(log p − log q) = Σ p log p − Σ p·z_q + logsumexp(z_q)`
+/// for logits `z_q` of q: each comparison costs one pass over the
+/// vocabulary per position, in f64.
+#[derive(Debug, Clone)]
+pub struct LogitReference {
+    probs: Vec<Vec<f64>>,
+    neg_entropy: Vec<f64>,
+    argmax: Vec<usize>,
+}
+
+/// One comparison of next-token predictions with a reference.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Comparison {
+    /// Positions compared.
+    pub n: usize,
+    /// Fraction of positions with the reference's argmax.
+    pub agreement: f64,
+    /// Mean KL(reference || compared), nats.
+    pub kl_mean: f64,
+    /// Largest KL over the positions.
+    pub kl_max: f64,
+    /// Disagreements whose two tokens are within the tie tolerance in the
+    /// reference's logits (`|z_a − z_b| <= tie`).
+    pub ties: usize,
+}
+
+fn rows_of(logits: &Tensor) -> Result<Vec<Vec<f32>>> {
+    let t = match logits.rank() {
+        3 => logits.squeeze(0)?,
+        _ => logits.clone(),
+    };
+    Ok(t.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
+}
+
+fn argmax_f32(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+impl LogitReference {
+    /// The reference of logits `[1, n, V]` (or `[n, V]`).
+    pub fn new(logits: &Tensor) -> Result<Self> {
+        let rows = rows_of(logits)?;
+        let mut probs = Vec::with_capacity(rows.len());
+        let mut neg_entropy = Vec::with_capacity(rows.len());
+        let mut argmax = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let lp = tolerable_stats::log_softmax(row);
+            let p: Vec<f64> = lp.iter().map(|x| x.exp()).collect();
+            neg_entropy.push(
+                p.iter()
+                    .zip(&lp)
+                    .map(|(p, l)| if *p > 0.0 { p * l } else { 0.0 })
+                    .sum(),
+            );
+            probs.push(p);
+            argmax.push(argmax_f32(row));
+        }
+        Ok(Self {
+            probs,
+            neg_entropy,
+            argmax,
+        })
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.probs.len()
+    }
+
+    /// Whether it holds no position.
+    pub fn is_empty(&self) -> bool {
+        self.probs.is_empty()
+    }
+
+    /// Compares logits `[1, n, V]` (same positions) with the reference;
+    /// `tie` is the tie tolerance in logits.
+    pub fn compare(&self, logits: &Tensor, tie: f64) -> Result<Comparison> {
+        let rows = rows_of(logits)?;
+        if rows.len() != self.probs.len() {
+            return Err(DriverError::Records(format!(
+                "internal: comparing {} positions with a reference of {}",
+                rows.len(),
+                self.probs.len()
+            )));
+        }
+        let n = rows.len();
+        let (mut agree, mut ties, mut sum, mut max) = (0usize, 0usize, 0f64, 0f64);
+        for (i, row) in rows.iter().enumerate() {
+            let p = &self.probs[i];
+            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+            let (mut se, mut pz) = (0f64, 0f64);
+            for (&z, &pi) in row.iter().zip(p) {
+                let z = z as f64;
+                se += (z - m).exp();
+                pz += pi * z;
+            }
+            let kl = (self.neg_entropy[i] - pz + m + se.ln()).max(0.0);
+            sum += kl;
+            max = max.max(kl);
+            let (a, b) = (self.argmax[i], argmax_f32(row));
+            if a == b {
+                agree += 1;
+            } else {
+                // z_a − z_b = log p_a − log p_b in the reference.
+                let gap = (p[a].ln() - p[b].ln()).abs();
+                if gap <= tie {
+                    ties += 1;
+                }
+            }
+        }
+        Ok(Comparison {
+            n,
+            agreement: if n == 0 { 1.0 } else { agree as f64 / n as f64 },
+            kl_mean: if n == 0 { 0.0 } else { sum / n as f64 },
+            kl_max: max,
+            ties,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn the_reference_kl_is_the_stats_kl() {
+        let dev = Device::Cpu;
+        let p = vec![0.3f32, -1.0, 2.0, 0.5, 0.0, 1.9];
+        let q = vec![0.1f32, -0.5, 1.0, 2.5, 0.2, 1.0];
+        let pt = Tensor::from_vec(p.clone(), (1, 1, 6), &dev).unwrap();
+        let qt = Tensor::from_vec(q.clone(), (1, 1, 6), &dev).unwrap();
+        let r = LogitReference::new(&pt).unwrap();
+        let c = r.compare(&qt, 1e-3).unwrap();
+        let want = tolerable_stats::kl_divergence_logits(&p, &q).unwrap();
+        assert!((c.kl_mean - want).abs() < 1e-12, "{} {want}", c.kl_mean);
+        assert_eq!(c.agreement, 0.0);
+        assert_eq!(c.ties, 0);
+        let same = r.compare(&pt, 1e-3).unwrap();
+        assert!(same.kl_mean < 1e-14 && same.agreement == 1.0);
+        // A near-tie: 2.0 vs 1.9995 is within 1e-3.
+        let t = Tensor::from_vec(vec![0f32, 0., 1.9995, 0., 0., 2.0], (1, 1, 6), &dev).unwrap();
+        let u = Tensor::from_vec(vec![0f32, 0., 2.0, 0., 0., 1.9995], (1, 1, 6), &dev).unwrap();
+        let c = LogitReference::new(&t).unwrap().compare(&u, 1e-3).unwrap();
+        assert_eq!((c.agreement, c.ties), (0.0, 1));
+    }
+
+    #[test]
+    fn relative_l2_rows_match_the_stats_measure() {
+        let dev = Device::Cpu;
+        let a = vec![1f32, 2., 3., 0., 0., 0.];
+        let b = vec![1f32, 2., 4., 0., 0., 0.];
+        let at = Tensor::from_vec(a.clone(), (1, 2, 3), &dev).unwrap();
+        let bt = Tensor::from_vec(b.clone(), (1, 2, 3), &dev).unwrap();
+        let r = relative_l2_rows(&at, &bt).unwrap();
+        let want = tolerable_stats::relative_l2(&a[..3], &b[..3]).unwrap();
+        assert!((r[0] - want).abs() < 1e-12);
+        assert_eq!(r[1], 0.0);
+        assert_eq!(fraction_above(&r, want / 2.0), 0.5);
+        assert_eq!(fraction_above(&[], 0.1), 0.0);
+    }
+
+    #[test]
+    fn flops_sum_per_position() {
+        let f = FlopModel {
+            d_model: 8,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            d_ffn: 16,
+            vocab: 10,
+            n_layers: 3,
+        };
+        let by_hand: f64 = (5..9).map(|p| f.block(p)).sum::<f64>() * 2.0;
+        assert!((f.tokens(5, 9, 2) - by_hand).abs() < 1e-9);
+        assert_eq!(f.tokens(4, 4, 3), 0.0);
+        assert_eq!(f.head(2), 2.0 * 80.0 * 2.0);
+    }
+}

@@ -1,0 +1,632 @@
+//! Mode D measurement runs on a tiny model the test writes (its tokenizer
+//! is byte-level, so it reads the probe's code corpus): the oracle gate,
+//! Mode D's injection path at layer 0 and over the original's own prefix,
+//! dirtiness, errors naming the field, recorded skips, records read back,
+//! resuming, and the report.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use tolerable_driver::measure::mode_d::{
+    self, mode_d_logits, pair_passes, ModeDSpec, PairGeometry, ORACLE_KL_TOLERANCE,
+};
+use tolerable_driver::measure::{self, LogitReference, MeasureConfig, MeasureOptions};
+use tolerable_driver::records::{columns, read_parquet, MeasureRow};
+use tolerable_probe::code::{pair::CodePairMeta, Archetype, CodePair, Language};
+use tolerable_probe::ContextPair;
+use tolerable_runtime::{Checkpoint, LogitsAt, Precision};
+use tolerable_testkit::tiny::{write_gguf, TinySpec};
+
+fn tiny(dir: &Path) -> PathBuf {
+    let p = dir.join("tiny.gguf");
+    write_gguf(
+        &TinySpec {
+            context_length: 2048,
+            ..TinySpec::default()
+        },
+        &p,
+    )
+    .unwrap();
+    p
+}
+
+fn config(dir: &Path, model: &Path, measure: &str) -> PathBuf {
+    let p = dir.join("mode-d.toml");
+    std::fs::write(
+        &p,
+        format!(
+            "[run]\nname = \"tiny-mode-d\"\nmodel = \"{}\"\nseed = 3\n\n[measure]\nkind = \"mode_d\"\n{measure}\n",
+            model.display()
+        ),
+    )
+    .unwrap();
+    p
+}
+
+fn opts(out: &Path) -> MeasureOptions {
+    MeasureOptions {
+        out: Some(out.to_path_buf()),
+        contexts: None,
+        layers: None,
+    }
+}
+
+fn rows(path: &Path) -> Vec<MeasureRow> {
+    columns::rows(&read_parquet(path).unwrap()).unwrap()
+}
+
+fn unit_rows(out: &Path, sub: &str) -> Vec<MeasureRow> {
+    let mut v = Vec::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(out.join(sub))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+        .collect();
+    files.sort();
+    for f in files {
+        v.extend(rows(&f));
+    }
+    v
+}
+
+const CALC_PY: &str = "def scale(values, factor):
+    result = []
+    for value in values:
+        result.append(value * factor)
+    return result
+
+
+def total(values):
+    acc = 0
+    for value in values:
+        acc += value
+    return acc
+
+
+def main():
+    data = [1, 2, 3, 4]
+    scaled = scale(data, 2)
+    if total(scaled) > 10:
+        print(total(scaled))
+    count = len(data)
+    count = count + 1
+    print(count)
+
+
+main()
+";
+
+// No numeric literal and no arithmetic operator: two archetypes find no site.
+const WORDS_PY: &str = "def shout(word):
+    loud = word.upper()
+    return loud
+
+
+def greet(name):
+    text = shout(name)
+    if text:
+        print(text)
+    return text
+
+
+def main():
+    names = [\"ada\", \"bob\"]
+    for name in names:
+        greet(name)
+    greet(\"eve\")
+    print(names)
+
+
+main()
+";
+
+fn corpus_dir(dir: &Path, files: &[(&str, &str)]) -> PathBuf {
+    let d = dir.join("corpus");
+    std::fs::create_dir_all(&d).unwrap();
+    for (name, text) in files {
+        std::fs::write(d.join(name), text).unwrap();
+    }
+    d
+}
+
+#[test]
+fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = config(
+        dir.path(),
+        &model,
+        "taus = [0.05, 0.2]\nlayers = \"all\"\ncontexts = \"builtin\"\nselect = [\"py_matrix.py\", \"go_queue.go\"]",
+    );
+    let out = dir.path().join("run");
+    let t0 = std::time::Instant::now();
+    let o = measure::run(&cfg, &opts(&out)).unwrap();
+    eprintln!(
+        "tiny Mode D on 2 contexts: {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!((o.units, o.computed, o.skipped), (2, 2, 0));
+    assert!(o.summary_written);
+
+    // Provenance.
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    assert_eq!(meta["kind"], "measure");
+    assert_eq!(meta["measurement"], "mode_d");
+    assert_eq!(meta["gates"]["passed"], true);
+    assert!(meta["model"]["sha256"]
+        .as_str()
+        .is_some_and(|s| s.len() == 64));
+    assert_eq!(meta["model"]["config"]["n_layers"], 3);
+    assert_eq!(meta["oracle"]["status"], "passed");
+    assert_eq!(meta["oracle"]["kl_tolerance"], ORACLE_KL_TOLERANCE);
+    assert_eq!(meta["invocations"].as_array().unwrap().len(), 1);
+    let n_pairs = meta["corpus"]["pairs"].as_u64().unwrap() as usize;
+    assert!(n_pairs >= 8, "{n_pairs} pairs");
+
+    // The oracle gate: agreement 1 and KL at float precision, every pair and layer.
+    let oracle = unit_rows(&out, "oracle");
+    let pairs: BTreeSet<(String, String)> = oracle
+        .iter()
+        .map(|r| (r.context.clone().unwrap(), r.archetype.clone().unwrap()))
+        .collect();
+    assert_eq!(pairs.len(), n_pairs);
+    for r in &oracle {
+        assert_eq!(r.variant.as_deref(), Some("oracle"));
+        match r.metric.as_str() {
+            "agreement" => assert_eq!(r.value, 1.0, "{r:?}"),
+            "kl_mode_d" | "kl_mode_d_max" => assert!(r.value < ORACLE_KL_TOLERANCE, "{r:?}"),
+            "ties" => assert_eq!(r.value, 0.0),
+            m => panic!("unexpected oracle metric {m}"),
+        }
+    }
+    assert_eq!(
+        oracle.iter().filter(|r| r.metric == "agreement").count(),
+        n_pairs * 3
+    );
+
+    // Per-pair rows.
+    let units = unit_rows(&out, "units");
+    for r in units.iter().filter(|r| r.metric == "dirtiness") {
+        assert!((0.0..=1.0).contains(&r.value), "{r:?}");
+        // Layer 0 is the embedding: the downstream tokens are the same ids.
+        if r.layer == Some(0) {
+            assert_eq!(r.value, 0.0, "{r:?}");
+        }
+    }
+    assert!(units
+        .iter()
+        .any(|r| r.metric == "dirtiness" && r.layer == Some(3) && r.value > 0.0));
+    for r in units.iter().filter(|r| r.metric == "kl_stale") {
+        assert!(r.value > 0.0, "{r:?}");
+    }
+    for variant in ["edit_site", "archetype_mean"] {
+        let n = units
+            .iter()
+            .filter(|r| r.metric == "agreement" && r.variant.as_deref() == Some(variant))
+            .count();
+        let skipped = units
+            .iter()
+            .filter(|r| r.metric == "skipped" && r.variant.as_deref() == Some(variant))
+            .count();
+        assert_eq!(n + skipped, n_pairs * 3, "{variant}");
+    }
+    for r in units
+        .iter()
+        .filter(|r| r.metric == "saving_vs_prefix_reuse")
+    {
+        // Mode D skips blocks below l for the downstream tokens only.
+        assert!(r.value < 1.0, "{r:?}");
+        if r.layer == Some(0) {
+            assert!(r.value <= 0.0, "{r:?}");
+        }
+    }
+    assert_eq!(
+        meta["skipped"].as_array().unwrap().len(),
+        units.iter().filter(|r| r.measurement == "skip").count()
+    );
+
+    // The summary: means, cosines.
+    let summary = rows(&out.join("summary.parquet"));
+    assert!(summary
+        .iter()
+        .any(|r| r.metric == "delta_cosine" && r.layer == Some(3) && r.archetype.is_some()));
+    assert!(summary
+        .iter()
+        .any(|r| r.metric == "kl_reduction" && r.archetype.is_none()));
+
+    // Records round-trip.
+    let p = dir.path().join("again.parquet");
+    measure::write_rows(units.clone(), &p).unwrap();
+    assert_eq!(rows(&p), units);
+
+    // The report and its figures.
+    let report = tolerable_driver::report::write(&out).unwrap();
+    let md = std::fs::read_to_string(&report).unwrap();
+    assert!(md.contains("source 000") && md.contains("0.99"), "{md}");
+    for f in [
+        "dirtiness_vs_layer.png",
+        "agreement_vs_layer.png",
+        "kl_reduction_vs_layer.png",
+        "saving_vs_layer.png",
+    ] {
+        assert!(out.join("plots").join(f).exists(), "{f}");
+    }
+
+    // A rerun redoes no unit.
+    let o2 = measure::run(&cfg, &opts(&out)).unwrap();
+    assert_eq!((o2.computed, o2.skipped), (0, 2));
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    assert_eq!(meta["invocations"].as_array().unwrap().len(), 2);
+    assert_eq!(rows(&out.join("summary.parquet")), summary);
+}
+
+fn checkpoint(model: &Path) -> Checkpoint {
+    tolerable_fetch::load(
+        model.to_str().unwrap(),
+        Precision::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap()
+}
+
+fn spec(dir: &Path) -> ModeDSpec {
+    let text = format!(
+        "[run]\nname = \"x\"\n[measure]\nkind = \"mode_d\"\ncontexts = \"{}\"\n",
+        dir.display()
+    );
+    match MeasureConfig::parse(&text).unwrap().measure {
+        measure::MeasureSpec::ModeD(s) => s,
+    }
+}
+
+#[test]
+fn mode_d_injection_reproduces_the_full_and_the_stale_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let ck = checkpoint(&model);
+    let corpus = corpus_dir(dir.path(), &[("calc.py", CALC_PY)]);
+    let plan = spec(&corpus)
+        .plan(ck.model.config(), &ck.tokenizer, 0)
+        .unwrap();
+    assert!(plan.pairs.len() >= 4, "{} pairs", plan.pairs.len());
+    let m = &ck.model;
+    for pair in &plan.pairs {
+        let p = pair_passes(m, pair, true).unwrap();
+        let g = p.geometry;
+        let at = LogitsAt::Positions((0..g.downstream).collect());
+        let full = LogitReference::new(&p.full_logits).unwrap();
+        let stale = LogitReference::new(p.stale_logits.as_ref().unwrap()).unwrap();
+        let lower = p.lower().unwrap();
+        // At layer 0 the true delta of the downstream tokens is exactly zero
+        // (same ids, same embeddings), and Mode D is the full recompute.
+        let d0 = p.oracle_delta(0).unwrap();
+        assert_eq!(
+            d0.abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
+        let zero = d0.zeros_like().unwrap();
+        let prefix = p.edited_prefix(m).unwrap();
+        let l0 = mode_d_logits(
+            m,
+            0,
+            &p.orig_downstream(0).unwrap(),
+            &zero,
+            &lower,
+            &prefix,
+            at.clone(),
+        )
+        .unwrap()
+        .unwrap();
+        let c = full.compare(&l0, 1e-3).unwrap();
+        assert!(
+            c.agreement == 1.0 && c.kl_mean < 1e-9,
+            "{}: {c:?}",
+            pair.pair.id
+        );
+        // Over the original's own prefix, a zero delta at any layer gives
+        // back the stale states: the original pass's logits.
+        let own = p.orig_cache.truncate(g.d_base).unwrap();
+        for l in 0..m.config().n_layers {
+            let logits = mode_d_logits(
+                m,
+                l,
+                &p.orig_downstream(l).unwrap(),
+                &zero,
+                &lower,
+                &own,
+                at.clone(),
+            )
+            .unwrap()
+            .unwrap();
+            let c = stale.compare(&logits, 1e-3).unwrap();
+            assert!(
+                c.agreement == 1.0 && c.kl_mean < 1e-9,
+                "{} l={l}: {c:?}",
+                pair.pair.id
+            );
+        }
+        // The oracle at every layer is the full recompute.
+        let (deltas, checks) = mode_d::oracle_pair(m, pair, &[0, 1, 2]).unwrap();
+        assert_eq!(deltas.dims(), &[4, m.config().d_model]);
+        assert!(checks.iter().all(|c| c.passed), "{checks:?}");
+    }
+}
+
+#[test]
+fn dirtiness_is_zero_when_the_edit_changes_nothing_downstream() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let ck = checkpoint(&model);
+    let ids = ck.tokenizer.encode(CALC_PY).unwrap();
+    let (k, n) = (40, ids.len());
+    // A pair whose two contexts are the same tokens: nothing moves.
+    let pair = CodePair {
+        pair: ContextPair {
+            id: "code/calc.py/identity".into(),
+            shared: ids[..k].to_vec(),
+            base: ids[k..].to_vec(),
+            alt: ids[k..].to_vec(),
+            suffix: vec![],
+            span_start: 0,
+            focus: (k..n).collect(),
+        },
+        meta: CodePairMeta {
+            context: "calc.py".into(),
+            language: Language::Python,
+            archetype: Archetype::ChangeLiteral,
+            seed: 0,
+            offset: 0,
+            line: 1,
+            before: String::new(),
+            after: String::new(),
+            sites: 0,
+            description: "identity".into(),
+            original_len: n,
+            edited_len: n,
+            text_prefix_tokens: k,
+            retokenized: 0,
+            common_suffix: n - k,
+        },
+    };
+    assert_eq!(PairGeometry::of(&pair).downstream, n - k);
+    let s = spec(dir.path());
+    let rows = mode_d::measure_pair(
+        &ck.model,
+        "tiny",
+        "r",
+        &pair,
+        &s,
+        &[0, 1, 2],
+        &BTreeMap::new(),
+    )
+    .unwrap();
+    let get = |metric: &'static str| rows.iter().filter(move |r| r.metric == metric);
+    assert_eq!(get("dirtiness").count(), 4 * s.taus.len());
+    assert!(get("dirtiness").all(|r| r.value == 0.0));
+    assert!(get("rel_l2_mean").all(|r| r.value == 0.0));
+    assert!(get("kl_stale").all(|r| r.value < 1e-12));
+    assert!(get("agreement").all(|r| r.value == 1.0));
+    // The edit-site delta is zero: Mode D is the full recompute at every layer.
+    assert!(get("kl_mode_d").all(|r| r.value < 1e-9));
+    // No other context: the archetype mean is skipped, with a reason.
+    assert_eq!(
+        rows.iter()
+            .filter(|r| r.metric == "skipped" && r.variant.as_deref() == Some("archetype_mean"))
+            .count(),
+        3
+    );
+}
+
+#[test]
+fn bad_input_is_refused_before_any_work_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let ok_corpus = corpus_dir(dir.path(), &[("calc.py", CALC_PY)]);
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let short = dir.path().join("short");
+    std::fs::create_dir_all(&short).unwrap();
+    std::fs::write(short.join("short.py"), "x = 1\n").unwrap();
+    let c = |s: &Path| format!("contexts = \"{}\"", s.display());
+    let cases = [
+        (
+            format!("taus = [0.1, 0.0]\n{}", c(&ok_corpus)),
+            "[measure] taus[1]",
+        ),
+        (
+            format!("taus = [-1.0]\n{}", c(&ok_corpus)),
+            "[measure] taus[0]",
+        ),
+        (format!("taus = [inf]\n{}", c(&ok_corpus)), "(0, inf)"),
+        (format!("taus = []\n{}", c(&ok_corpus)), "[measure] taus"),
+        (
+            format!("layers = [1, 7]\n{}", c(&ok_corpus)),
+            "[measure] layers",
+        ),
+        (
+            format!("layers = \"suffix:3\"\n{}", c(&ok_corpus)),
+            "[measure] layers",
+        ),
+        (c(&empty), "[measure] contexts"),
+        (c(&short), "`short.py` has"),
+        (c(&dir.path().join("nowhere")), "[measure] contexts"),
+        (
+            format!("select = [\"nope.py\"]\n{}", c(&ok_corpus)),
+            "[measure] select",
+        ),
+        (
+            format!("min_downstream = 0\n{}", c(&ok_corpus)),
+            "[measure] min_downstream",
+        ),
+        (
+            format!("archetypes = [\"reformat\"]\n{}", c(&ok_corpus)),
+            "[measure]",
+        ),
+        (
+            format!("tau = 0.1\n{}", c(&ok_corpus)),
+            "unknown field `tau`",
+        ),
+        (
+            format!("variants = []\n{}", c(&ok_corpus)),
+            "[measure] variants",
+        ),
+        (
+            format!("variants = [\"zero\", \"zero\"]\n{}", c(&ok_corpus)),
+            "[measure] variants[1]",
+        ),
+        (
+            format!("variants = [\"half\"]\n{}", c(&ok_corpus)),
+            "unknown variant `half`",
+        ),
+    ];
+    for (i, (measure, want)) in cases.iter().enumerate() {
+        let cfg = config(dir.path(), &model, measure);
+        let out = dir.path().join(format!("run{i}"));
+        let e = measure::run(&cfg, &opts(&out)).unwrap_err().to_string();
+        assert!(e.contains(want), "case {i} ({measure}): {e}");
+        assert!(!out.join("run.json").exists(), "case {i} wrote run.json");
+    }
+    // The short context is also named with what it needs.
+    let cfg = config(dir.path(), &model, &c(&short));
+    let e = measure::run(&cfg, &opts(&dir.path().join("s")))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("[measure] contexts") && e.contains("min_downstream"),
+        "{e}"
+    );
+    // An unknown kind, a sweep table in a measurement config.
+    let p = dir.path().join("k.toml");
+    std::fs::write(&p, "[run]\nname = \"x\"\n[measure]\nkind = \"mode_e\"\n").unwrap();
+    let e = measure::run(&p, &opts(&dir.path().join("k")))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[measure] kind"), "{e}");
+    std::fs::write(
+        &p,
+        "[run]\nname = \"x\"\n[data]\nn = 1\n[measure]\nkind = \"mode_d\"\n",
+    )
+    .unwrap();
+    let e = measure::run(&p, &opts(&dir.path().join("k")))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`data`"), "{e}");
+    assert!(measure::is_measure_config(&p).unwrap());
+}
+
+#[test]
+fn a_skipped_archetype_is_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let corpus = corpus_dir(dir.path(), &[("calc.py", CALC_PY), ("words.py", WORDS_PY)]);
+    let cfg = config(
+        dir.path(),
+        &model,
+        &format!(
+            "taus = [0.1]\nlayers = [0, 2]\nvariants = [\"edit_site\", \"archetype_mean\", \"zero\"]\ncontexts = \"{}\"",
+            corpus.display()
+        ),
+    );
+    let out = dir.path().join("run");
+    let o = measure::run(&cfg, &opts(&out)).unwrap();
+    assert!(o.summary_written);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    let skipped: Vec<(String, String, String)> = meta["skipped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["context"].as_str().unwrap().to_string(),
+                s["archetype"].as_str().unwrap().to_string(),
+                s["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    for a in ["change_literal", "change_operator"] {
+        assert!(
+            skipped
+                .iter()
+                .any(|(c, arch, why)| c == "words.py" && arch == a && why.contains("no site")),
+            "{skipped:?}"
+        );
+    }
+    let units = unit_rows(&out, "units");
+    let skip_rows: Vec<&MeasureRow> = units.iter().filter(|r| r.measurement == "skip").collect();
+    assert_eq!(skip_rows.len(), skipped.len());
+    assert!(skip_rows
+        .iter()
+        .all(|r| r.metric == "skipped" && r.note.as_deref().is_some_and(|n| !n.is_empty())));
+    let summary = rows(&out.join("summary.parquet"));
+    let lit = summary
+        .iter()
+        .find(|r| r.measurement == "skip" && r.archetype.as_deref() == Some("change_literal"))
+        .unwrap();
+    assert_eq!(lit.value, 1.0);
+    // Archetypes of both contexts have a leave-one-out mean.
+    assert!(units
+        .iter()
+        .any(|r| r.metric == "agreement" && r.variant.as_deref() == Some("archetype_mean")));
+    // The no-delta control at layer 0 is the full recompute (the downstream
+    // tokens' true delta is zero there), and it costs no delta.
+    let zero: Vec<&MeasureRow> = units
+        .iter()
+        .filter(|r| r.variant.as_deref() == Some("zero"))
+        .collect();
+    assert!(!zero.is_empty());
+    for r in zero.iter().filter(|r| r.layer == Some(0)) {
+        match r.metric.as_str() {
+            "agreement" => assert_eq!(r.value, 1.0),
+            "kl_mode_d" => assert!(r.value < ORACLE_KL_TOLERANCE),
+            _ => {}
+        }
+    }
+    let report = std::fs::read_to_string(tolerable_driver::report::write(&out).unwrap()).unwrap();
+    assert!(report.contains("agreement zero"), "{report}");
+}
+
+/// Mode D on the real 0.5B, two contexts, four injection layers (minutes on
+/// two cores): `cargo test -p tolerable-driver --test mode_d -- --ignored`.
+#[test]
+#[ignore]
+fn mode_d_on_the_real_0_5b() {
+    let id = "qwen2.5-coder-0.5b-instruct";
+    if tolerable_fetch::catalog::cached(id).unwrap().is_none() {
+        eprintln!("skipped: {id} is not cached");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.toml");
+    std::fs::write(
+        &p,
+        format!("[run]\nname = \"real\"\nmodel = \"{id}\"\n[measure]\nkind = \"mode_d\"\nlayers = [0, 1, 12, 23]\nselect = [\"py_matrix.py\", \"go_queue.go\"]\n"),
+    )
+    .unwrap();
+    let out = dir.path().join("run");
+    let o = measure::run(&p, &opts(&out)).unwrap();
+    assert!(o.summary_written);
+    let oracle = unit_rows(&out, "oracle");
+    assert!(oracle
+        .iter()
+        .filter(|r| r.metric == "kl_mode_d")
+        .all(|r| r.value < ORACLE_KL_TOLERANCE));
+    let summary = rows(&out.join("summary.parquet"));
+    let agree = summary
+        .iter()
+        .find(|r| {
+            r.metric == "agreement"
+                && r.variant.as_deref() == Some("edit_site")
+                && r.layer == Some(1)
+                && r.archetype.is_none()
+        })
+        .unwrap();
+    assert!((0.0..=1.0).contains(&agree.value));
+    tolerable_driver::report::write(&out).unwrap();
+}
