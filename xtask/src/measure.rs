@@ -23,6 +23,14 @@ pub struct MeasureArgs {
     /// replaces `[measure] layers` (the config hash changes too).
     #[arg(long)]
     pub layers: Option<String>,
+    /// Data path for a source, `squad_dev=PATH` (repeatable; conditioning
+    /// and quantization probes, and the bank's `squad_train`).
+    #[arg(long, value_parser = crate::sweep::parse_data)]
+    pub data: Vec<(String, PathBuf)>,
+    /// Where fitted resources (key banks) are cached (default `resources/`
+    /// under the model cache, `$TOLERABLE_CACHE`).
+    #[arg(long)]
+    pub resources: Option<PathBuf>,
     /// Print the pairs, skips and an estimate of the work, and stop: no
     /// weights are loaded, nothing is written.
     #[arg(long)]
@@ -40,6 +48,8 @@ pub fn run(a: MeasureArgs) -> Result<()> {
         out: a.out.clone(),
         contexts: a.contexts.clone(),
         layers: a.layers.clone(),
+        data: a.data.iter().cloned().collect(),
+        resource_root: a.resources.clone(),
     };
     let cfg = measure::load_config(&a.config, &opts)?;
     if a.dry_run {

@@ -60,7 +60,7 @@ fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
     Ok((i, n))
 }
 
-fn parse_data(s: &str) -> std::result::Result<(String, PathBuf), String> {
+pub fn parse_data(s: &str) -> std::result::Result<(String, PathBuf), String> {
     let (k, v) = s.split_once('=').ok_or_else(|| {
         format!("`{s}`: write the data path as source=PATH, e.g. squad_dev=../shared/data/squad")
     })?;
@@ -71,14 +71,9 @@ pub fn run(a: SweepArgs) -> Result<()> {
     // A measurement config (`[measure]` instead of `[data]` and `[[arms]]`)
     // is run by `measure`; the sweep-only flags do not apply to it.
     if a.config.exists() && tolerable_driver::measure::is_measure_config(&a.config)? {
-        if a.shard.is_some()
-            || !a.data.is_empty()
-            || a.n.is_some()
-            || a.merge
-            || a.resources.is_some()
-        {
+        if a.shard.is_some() || a.n.is_some() || a.merge {
             bail!(
-                "{} is a measurement config: --shard, --data, --n, --merge and --resources do not apply (see `cargo xtask measure --help`)",
+                "{} is a measurement config: --shard, --n and --merge do not apply (see `cargo xtask measure --help`)",
                 a.config.display()
             );
         }
@@ -87,6 +82,8 @@ pub fn run(a: SweepArgs) -> Result<()> {
             out: a.out,
             contexts: None,
             layers: None,
+            data: a.data,
+            resources: a.resources,
             dry_run: a.dry_run,
             report: a.report,
         });

@@ -40,6 +40,14 @@ pub enum CarrierError {
     /// A codebook cannot be fitted or used as asked.
     #[error("codebook: {0}")]
     BadCodebook(String),
+    /// A measurement parameter outside its range.
+    #[error("{field}: {reason}")]
+    BadParameter {
+        /// The parameter.
+        field: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// From the runtime.
     #[error(transparent)]
     Runtime(#[from] tolerable_runtime::RuntimeError),

@@ -5,7 +5,8 @@
 //! fidelity, and measuring that fidelity. For the on-manifold arms, key
 //! banks of genuine keys ([`bank`]: nearest genuine neighbours) and codebooks
 //! fitted on them ([`codebook`]: k-means, PCA and random-subset codebooks,
-//! and snapping to them).
+//! and snapping to them). How attention reads a key slot ([`readout`]:
+//! readout gains, their analytic bound, quantization against noise).
 //!
 //! Everything here works on the runtime's values ([`KvCache`] and residual
 //! tensors `[batch, seq, d_model]`); which source fills a slot is the
@@ -20,6 +21,7 @@ pub mod error;
 pub mod fidelity;
 pub mod inject;
 pub mod perturb;
+pub mod readout;
 mod rng;
 pub mod sites;
 

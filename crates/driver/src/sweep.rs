@@ -279,9 +279,10 @@ pub fn model_key(sha256: Option<&str>, path: &Path) -> String {
         .unwrap_or_else(|| format!("unhashed:{}", path.display()))
 }
 
-/// Builds (or loads from the cache) every resource of `plan`, in order.
+/// Builds (or loads from the cache) every resource of `resources` (a
+/// plan's, in build order), in order.
 pub fn obtain_resources(
-    plan: &Plan,
+    resources: &[(String, crate::resources::ResourceSpec)],
     ck: &Checkpoint,
     precision: &str,
     train: &TrainCx,
@@ -291,7 +292,7 @@ pub fn obtain_resources(
     let cfg = ck.model.config();
     let mut values: BTreeMap<String, Value> = BTreeMap::new();
     let mut info: BTreeMap<String, ObtainedResource> = BTreeMap::new();
-    for r in hash_all(&plan.resources, train, &model_sha, precision)? {
+    for r in hash_all(resources, train, &model_sha, precision)? {
         let (name, spec, hash) = (&r.name, &r.spec, &r.hash);
         let kind = spec.kind();
         let ids: Vec<String> = r.items.iter().map(|i| i.item.id.clone()).collect();
@@ -549,7 +550,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     );
     let eval = eval_set(&sample.items);
     let (resources, obtained) = obtain_resources(
-        &plan,
+        &plan.resources,
         &ck,
         &cfg.run.precision,
         &TrainCx {

@@ -47,6 +47,7 @@ fn opts(out: &Path) -> MeasureOptions {
         out: Some(out.to_path_buf()),
         contexts: None,
         layers: None,
+        ..MeasureOptions::default()
     }
 }
 
@@ -277,6 +278,7 @@ fn spec(dir: &Path) -> ModeDSpec {
     );
     match MeasureConfig::parse(&text).unwrap().measure {
         measure::MeasureSpec::ModeD(s) => s,
+        other => panic!("parsed as {}", other.kind()),
     }
 }
 

@@ -3,8 +3,10 @@
 //!
 //! A measurement config is a TOML file with a `[run]` table and a
 //! `[measure]` table (instead of `[data]` and `[[arms]]`); `kind` names the
-//! measurement. The one kind so far is `mode_d` ([`mode_d`]: activation-delta
-//! caching for code edits, measured against prefix KV reuse).
+//! measurement: `mode_d` ([`mode_d`]: activation-delta caching for code
+//! edits, measured against prefix KV reuse), `conditioning` and
+//! `quantization` ([`attention`]: how attention reads a displaced key slot,
+//! paper 1 appendix E).
 //!
 //! ```toml
 //! [run]
@@ -35,6 +37,8 @@
 //! FLOP count ([`FlopModel`]), next-token comparisons against a reference
 //! ([`LogitReference`]) and per-position relative L2 ([`relative_l2_rows`]).
 
+pub mod attention;
+mod attention_report;
 pub mod mode_d;
 pub mod report;
 
@@ -43,8 +47,10 @@ use crate::records::{self, columns, MeasureRow};
 use candle_core::{Tensor, D};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+pub use attention::{ConditioningSpec, QuantizationSpec};
 pub use mode_d::ModeDSpec;
 
 /// The `[run]` table of a measurement config.
@@ -77,6 +83,12 @@ fn default_precision() -> String {
 pub enum MeasureSpec {
     /// Mode D: activation-delta caching for code edits ([`mode_d`]).
     ModeD(ModeDSpec),
+    /// Readout gains of a key slot, on and off the manifold, with their
+    /// analytic bound ([`attention`]).
+    Conditioning(ConditioningSpec),
+    /// Integer round trips of the cache against matched-norm noise
+    /// ([`attention`]).
+    Quantization(QuantizationSpec),
 }
 
 impl MeasureSpec {
@@ -84,6 +96,8 @@ impl MeasureSpec {
     pub fn kind(&self) -> &'static str {
         match self {
             MeasureSpec::ModeD(_) => "mode_d",
+            MeasureSpec::Conditioning(_) => "conditioning",
+            MeasureSpec::Quantization(_) => "quantization",
         }
     }
 }
@@ -159,10 +173,10 @@ impl MeasureConfig {
             Some(toml::Value::String(k)) => k,
             Some(other) => {
                 return Err(cfg_err(format!(
-                    "[measure] kind: {other} is not a string; expected \"mode_d\""
+                    "[measure] kind: {other} is not a string; expected \"mode_d\", \"conditioning\" or \"quantization\""
                 )))
             }
-            None => return Err(cfg_err("[measure] kind: missing; expected \"mode_d\"")),
+            None => return Err(cfg_err("[measure] kind: missing; expected \"mode_d\", \"conditioning\" or \"quantization\"")),
         };
         let measure = match kind.as_str() {
             "mode_d" => {
@@ -171,6 +185,20 @@ impl MeasureConfig {
                     .map_err(|e: toml::de::Error| cfg_err(format!("[measure]: {}", e.message())))?;
                 spec.check()?;
                 MeasureSpec::ModeD(spec)
+            }
+            "conditioning" => {
+                let spec: ConditioningSpec = toml::Value::Table(m)
+                    .try_into()
+                    .map_err(|e: toml::de::Error| cfg_err(format!("[measure]: {}", e.message())))?;
+                spec.check()?;
+                MeasureSpec::Conditioning(spec)
+            }
+            "quantization" => {
+                let spec: QuantizationSpec = toml::Value::Table(m)
+                    .try_into()
+                    .map_err(|e: toml::de::Error| cfg_err(format!("[measure]: {}", e.message())))?;
+                spec.check()?;
+                MeasureSpec::Quantization(spec)
             }
             other => {
                 return Err(cfg_err(format!(
@@ -206,6 +234,11 @@ pub struct MeasureOptions {
     /// Injection layers (`LayerSet` syntax): replaces `[measure] layers`
     /// (the config hash changes too).
     pub layers: Option<String>,
+    /// Data paths by source name (`squad_dev`, `squad_train`), else
+    /// `$TOLERABLE_SQUAD_DIR` (conditioning and quantization probes, banks).
+    pub data: BTreeMap<String, PathBuf>,
+    /// Where fitted resources are cached (default the resource store's root).
+    pub resource_root: Option<PathBuf>,
 }
 
 /// What a measurement invocation did.
@@ -232,6 +265,12 @@ pub fn load_config(path: &Path, opts: &MeasureOptions) -> Result<MeasureConfig> 
         }
         match &mut cfg.measure {
             MeasureSpec::ModeD(s) => s.select = Some(names.clone()),
+            other => {
+                return Err(cfg_err(format!(
+                    "--contexts: a `{}` measurement reads SQuAD probes, not code contexts",
+                    other.kind()
+                )))
+            }
         }
     }
     if let Some(layers) = &opts.layers {
@@ -240,6 +279,8 @@ pub fn load_config(path: &Path, opts: &MeasureOptions) -> Result<MeasureConfig> 
             .map_err(|e| cfg_err(format!("--layers {layers}: {e}")))?;
         match &mut cfg.measure {
             MeasureSpec::ModeD(s) => s.layers = set,
+            MeasureSpec::Conditioning(s) => s.layers = set,
+            MeasureSpec::Quantization(s) => s.layers = set,
         }
     }
     Ok(cfg)
@@ -257,6 +298,18 @@ pub fn run(config_path: &Path, opts: &MeasureOptions) -> Result<MeasureOutcome> 
     let cfg = load_config(config_path, opts)?;
     match &cfg.measure {
         MeasureSpec::ModeD(spec) => mode_d::run(config_path, &cfg, spec, opts),
+        MeasureSpec::Conditioning(spec) => attention::run(
+            config_path,
+            &cfg,
+            attention::Which::Conditioning(spec),
+            opts,
+        ),
+        MeasureSpec::Quantization(spec) => attention::run(
+            config_path,
+            &cfg,
+            attention::Which::Quantization(spec),
+            opts,
+        ),
     }
 }
 
@@ -266,6 +319,12 @@ pub fn dry_run(config_path: &Path, opts: &MeasureOptions) -> Result<String> {
     let cfg = load_config(config_path, opts)?;
     match &cfg.measure {
         MeasureSpec::ModeD(spec) => mode_d::dry_run(&cfg, spec, opts),
+        MeasureSpec::Conditioning(spec) => {
+            attention::dry_run(&cfg, attention::Which::Conditioning(spec), opts)
+        }
+        MeasureSpec::Quantization(spec) => {
+            attention::dry_run(&cfg, attention::Which::Quantization(spec), opts)
+        }
     }
 }
 

@@ -74,6 +74,12 @@ fn ratio(x: f64) -> String {
 /// returns the report's path.
 pub fn write(run_dir: &Path) -> Result<PathBuf> {
     let meta = read_json(&run_dir.join("run.json"))?;
+    if matches!(
+        meta["measurement"].as_str(),
+        Some("conditioning" | "quantization")
+    ) {
+        return super::attention_report::write(run_dir, &meta);
+    }
     if !run_dir.join("summary.parquet").exists() {
         return Err(DriverError::Records(format!(
             "{} has no summary.parquet: the measurement has unfinished units (rerun it)",
@@ -429,9 +435,11 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
 }
 
 /// A line of a chart.
-struct Series {
-    label: String,
-    points: Vec<(f64, f64)>,
+pub(super) struct Series {
+    /// Legend text.
+    pub(super) label: String,
+    /// (x, y) points.
+    pub(super) points: Vec<(f64, f64)>,
 }
 
 fn plots(
@@ -564,7 +572,7 @@ fn plots(
     Ok(out)
 }
 
-fn line_chart(
+pub(super) fn line_chart(
     path: &Path,
     title: &str,
     x_desc: &str,

@@ -43,6 +43,22 @@
 //!   `seconds_saving_vs_full` (the same from measured wall time).
 //! - `skip` (per context and archetype): `skipped` (value 1, the reason in
 //!   `note`); in the summary the count.
+//!
+//! Conditioning and quantization runs ([`crate::measure::attention`]; `context`
+//! is the probe's item id, null in the summary):
+//!
+//! - `conditioning` (per probe, layer, variant `on_manifold` /
+//!   `off_manifold`, magnitude): `gain_logit`, `gain_softmax` (absolute
+//!   readout gains), `gain_logit_rel`, `gain_softmax_rel` (relative); per
+//!   probe and layer: `bound_softmax` (the analytic sqrt(2G) bound),
+//!   `slot_weight` (the displaced slot's attention weight). Summary: means
+//!   per layer and pooled (layer null), per magnitude and pooled (magnitude
+//!   null), variant `off_over_on` ratios, `bound_correlation` (Pearson across
+//!   layers, at the smallest magnitude) and `gain_over_bound_max`.
+//! - `quantization` (per probe and layer, variant `int<b>` or
+//!   `noise_int<b>`, magnitude null or a fixed norm): `output_error`,
+//!   `query_share`, `displacement`; per probe and layer: `query_rank`,
+//!   `query_share_isotropic`. Summary: means, and `int<b>_over_noise` ratios.
 
 use crate::record;
 
@@ -52,11 +68,11 @@ record! {
     pub struct MeasureRow {
         /// Run name.
         pub run: String,
-        /// The measurement family: `geometry`, `dirtiness`, `delta`, `mode_d`, `stale`, `compute`, `skip`.
+        /// The measurement family: `geometry`, `dirtiness`, `delta`, `mode_d`, `stale`, `compute`, `skip` (Mode D); `conditioning`; `quantization`.
         pub measurement: String,
         /// The model id.
         pub model: String,
-        /// The code context (file name); null for aggregates over contexts.
+        /// The code context (file name), or the probe's item id (conditioning, quantization); null for aggregates.
         pub context: Option<String>,
         /// The context's language; null for aggregates.
         pub language: Option<String>,
@@ -66,8 +82,10 @@ record! {
         pub layer: Option<i64>,
         /// The relative-L2 threshold of a `dirtiness` value.
         pub tau: Option<f64>,
-        /// The Mode D delta (`oracle`, `edit_site`, `archetype_mean`, `zero`) or `stale`.
+        /// The Mode D delta (`oracle`, `edit_site`, `archetype_mean`, `zero`) or `stale`; the conditioning direction (`on_manifold`, `off_manifold`, `off_over_on`); the quantization displacement (`int8`, `noise_int8`, `int8_over_noise`, ...).
         pub variant: Option<String>,
+        /// The relative displacement (norm of delta over norm of k) of a conditioning value, or the fixed relative norm a quantization displacement was rescaled to (null: its own norm).
+        pub magnitude: Option<f64>,
         /// What is measured (see the module documentation of `records::measure` and results/README.md).
         pub metric: String,
         /// The value.
@@ -99,6 +117,7 @@ impl MeasureRow {
             layer: None,
             tau: None,
             variant: None,
+            magnitude: None,
             metric: metric.into(),
             value,
             n: n as i64,
