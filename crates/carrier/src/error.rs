@@ -40,6 +40,9 @@ pub enum CarrierError {
     /// A codebook cannot be fitted or used as asked.
     #[error("codebook: {0}")]
     BadCodebook(String),
+    /// A fitted substitute cannot be fitted or used as asked.
+    #[error("fitted map: {0}")]
+    BadFit(String),
     /// From the runtime.
     #[error(transparent)]
     Runtime(#[from] tolerable_runtime::RuntimeError),

@@ -18,6 +18,7 @@ pub mod bank;
 pub mod codebook;
 pub mod error;
 pub mod fidelity;
+pub mod fit;
 pub mod inject;
 pub mod perturb;
 mod rng;
