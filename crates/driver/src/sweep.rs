@@ -279,12 +279,14 @@ pub fn model_key(sha256: Option<&str>, path: &Path) -> String {
         .unwrap_or_else(|| format!("unhashed:{}", path.display()))
 }
 
-/// Builds (or loads from the cache) every resource of `plan`, in order.
+/// Builds (or loads from the cache) every resource of `plan`, in order;
+/// `senders` are the plan's held-out senders, built and gated.
 pub fn obtain_resources(
     plan: &Plan,
     ck: &Checkpoint,
     precision: &str,
     train: &TrainCx,
+    senders: &BTreeMap<String, tolerable_runtime::Model>,
     store: &Store,
 ) -> Result<(BTreeMap<String, Value>, BTreeMap<String, ObtainedResource>)> {
     let model_sha = model_key(ck.sha256.as_deref(), &ck.path);
@@ -323,6 +325,7 @@ pub fn obtain_resources(
                         ..*train
                     },
                     model: &ck.model,
+                    senders,
                     deps: &values,
                 };
                 let t0 = Instant::now();
@@ -547,21 +550,8 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             .clone()
             .unwrap_or_else(Store::default_root),
     );
-    let eval = eval_set(&sample.items);
-    let (resources, obtained) = obtain_resources(
-        &plan,
-        &ck,
-        &cfg.run.precision,
-        &TrainCx {
-            tokenizer: &ck.tokenizer,
-            split: &split,
-            data: &opts.data,
-            eval: &eval,
-            field: String::new(),
-        },
-        &store,
-    )?;
-    // Held-out senders, built from the receiver and gated before any eval item.
+    // Held-out senders, built from the receiver and gated before any eval
+    // item (and before the resources: fitted maps read their keys).
     let gate_prompt = ck
         .tokenizer
         .encode(tolerable_runtime::gates::SQUAD_PROMPT)?;
@@ -583,6 +573,21 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         );
         senders.insert(key.clone(), model);
     }
+    let eval = eval_set(&sample.items);
+    let (resources, obtained) = obtain_resources(
+        &plan,
+        &ck,
+        &cfg.run.precision,
+        &TrainCx {
+            tokenizer: &ck.tokenizer,
+            split: &split,
+            data: &opts.data,
+            eval: &eval,
+            field: String::new(),
+        },
+        &senders,
+        &store,
+    )?;
     // Every invocation on this folder (first run, resumes, shards) is kept;
     // the top-level command, revision and threads are the latest's.
     let revision = git_revision();
