@@ -254,7 +254,7 @@ pub fn rope_rotate(
     if positions.len() != n {
         return bad(format!("{n} rows but {} positions", positions.len()));
     }
-    if hd % 2 != 0 {
+    if !hd.is_multiple_of(2) {
         return bad(format!("head_dim {hd} is odd"));
     }
     let half = hd / 2;
@@ -413,7 +413,7 @@ pub fn validate_mlp(t: &MlpTraining, d: usize) -> Result<()> {
     if !(t.margin > -1.0 && t.margin <= 1.0) {
         return bad(format!("hinge margin {} is not in (-1, 1]", t.margin));
     }
-    if t.group == 0 || d % t.group != 0 {
+    if t.group == 0 || !d.is_multiple_of(t.group) {
         return bad(format!(
             "vector width {} does not divide rows of {d}",
             t.group

@@ -206,7 +206,9 @@ fn fitted_input<'a>(
                 m.pairs
             )),
         },
-        Some(_) => Err(format!("`{name}` is not a fitted map (`kind = \"fitted_map\"`)")),
+        Some(_) => Err(format!(
+            "`{name}` is not a fitted map (`kind = \"fitted_map\"`)"
+        )),
         None => Err(format!(
             "no `[resources.{name}]` is declared; declare a fitted map of that name"
         )),
@@ -224,7 +226,10 @@ fn check_map_input(
     arm_sender: Option<&str>,
 ) -> std::result::Result<(), (&'static str, String)> {
     if inj.blend.is_some() {
-        return Err(("blend", "a fitted map takes its input as fitted; no blend".into()));
+        return Err((
+            "blend",
+            "a fitted map takes its input as fitted; no blend".into(),
+        ));
     }
     if inj.source_positions.is_some() {
         return Err((
@@ -235,7 +240,9 @@ fn check_map_input(
     match (&pairs.sender, pairs.noise_cosine) {
         (Some(want), _) => {
             let have = arm_sender.and_then(|k| senders.get(k));
-            if inj.source != SourceSpec::Holder || !have.is_some_and(|h| crate::resources::fitted::same_sender(h, want)) {
+            if inj.source != SourceSpec::Holder
+                || !have.is_some_and(|h| crate::resources::fitted::same_sender(h, want))
+            {
                 return Err((
                     "source",
                     format!(
@@ -245,7 +252,10 @@ fn check_map_input(
                 ));
             }
             if inj.perturb.is_some() {
-                return Err(("perturb", "the map was fitted on the sender's keys as they are; no perturb".into()));
+                return Err((
+                    "perturb",
+                    "the map was fitted on the sender's keys as they are; no perturb".into(),
+                ));
             }
         }
         (None, Some(c)) => {
@@ -664,8 +674,7 @@ fn compile_arm(
         }
         if let Some(name) = &inj.map {
             key_only("a fitted map")?;
-            let pairs = fitted_input(cfg, name)
-                .map_err(|why| bad(arm, f("map"), why))?;
+            let pairs = fitted_input(cfg, name).map_err(|why| bad(arm, f("map"), why))?;
             check_map_input(inj, pairs, senders, sender.as_deref())
                 .map_err(|(field, why)| bad(arm, f(field), why))?;
             transforms.push(Arc::new(FittedSubstitute { map: name.clone() }));

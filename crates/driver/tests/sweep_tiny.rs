@@ -983,7 +983,11 @@ fn fitted_substitutes_are_built_once_cached_recorded_and_carry_fidelity() {
         assert_eq!(meta["resources"][r]["obtained"], "built", "{r}");
     }
     // One sender serves the arms and the key pairs (`q4_0` is `Q4_0`).
-    assert!(meta["senders"]["requantize=Q4_0"].is_object(), "{}", meta["senders"]);
+    assert!(
+        meta["senders"]["requantize=Q4_0"].is_object(),
+        "{}",
+        meta["senders"]
+    );
     // Training items are never evaluation items.
     let eval: Vec<&str> = meta["data"]["item_ids"]
         .as_array()
@@ -1003,9 +1007,13 @@ fn fitted_substitutes_are_built_once_cached_recorded_and_carry_fidelity() {
     let corr = col(&names, &all, "logit_correlation");
     for name in ["raw_sender", "ls", "wk", "mlp", "noise_ls"] {
         let k = arm.iter().position(|a| a == name).unwrap();
-        let f: f64 = fid[k].parse().unwrap_or_else(|_| panic!("{name}: {}", fid[k]));
+        let f: f64 = fid[k]
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}: {}", fid[k]));
         assert!(f > 0.0 && f <= 1.0 + 1e-9, "{name}: {f}");
-        let c: f64 = corr[k].parse().unwrap_or_else(|_| panic!("{name}: {}", corr[k]));
+        let c: f64 = corr[k]
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}: {}", corr[k]));
         assert!((-1.0..=1.0 + 1e-9).contains(&c), "{name}: {c}");
         if name != "raw_sender" {
             let hash = meta["resources"][name]["hash"].as_str().unwrap();
@@ -1052,11 +1060,18 @@ fn fitted_maps_see_the_pre_rope_keys_the_key_projection_wrote() {
         .unwrap();
         let m = Model::from_gguf(&p, Precision::F32, &candle_core::Device::Cpu).unwrap();
         let cfg = m.config().clone();
-        let ids: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % cfg.vocab_size as u32).collect();
+        let ids: Vec<u32> = (0..12)
+            .map(|i| (i * 7 + 3) % cfg.vocab_size as u32)
+            .collect();
         let mut cache = m.new_cache(1);
         let spec = HookSpec::new().capture(HookPoint::K(1));
         let out = m
-            .forward(&m.tokens(&[ids.clone()]).unwrap(), &mut cache, &spec, LogitsAt::None)
+            .forward(
+                &m.tokens(std::slice::from_ref(&ids)).unwrap(),
+                &mut cache,
+                &spec,
+                LogitsAt::None,
+            )
             .unwrap();
         let pre = out.hooks.get(HookPoint::K(1)).unwrap(); // [1, nkv, T, hd]
         let rot = &cache.require_layer(1).unwrap().k;
@@ -1064,7 +1079,12 @@ fn fitted_maps_see_the_pre_rope_keys_the_key_projection_wrote() {
         let (wk, bk) = m.key_projection(1).unwrap();
         for h in 0..cfg.n_kv_heads {
             let head = |t: &candle_core::Tensor| {
-                t.narrow(1, h, 1).unwrap().squeeze(0).unwrap().squeeze(0).unwrap()
+                t.narrow(1, h, 1)
+                    .unwrap()
+                    .squeeze(0)
+                    .unwrap()
+                    .squeeze(0)
+                    .unwrap()
             };
             let back = tolerable_carrier::fit::rope_rotate(
                 &head(rot),

@@ -369,8 +369,7 @@ impl ResourceKind for KeyPairsSpec {
             && p.inputs.len() == cfg.n_layers
             && p.targets.len() == cfg.n_layers
             && p.inputs.iter().chain(&p.targets).all(|heads| {
-                heads.len() == cfg.n_kv_heads
-                    && heads.iter().all(|t| t.dims() == [n, cfg.head_dim])
+                heads.len() == cfg.n_kv_heads && heads.iter().all(|t| t.dims() == [n, cfg.head_dim])
             });
         if !ok {
             return Err(DriverError::Records(format!(
@@ -612,7 +611,11 @@ impl ResourceKind for FittedMapSpec {
             FitMethod::LeastSquares | FitMethod::LeastSquaresWk
         );
         let mlp = self.method == FitMethod::Mlp;
-        only("ridge", self.ridge.is_some() && !ls, "the least-squares methods")?;
+        only(
+            "ridge",
+            self.ridge.is_some() && !ls,
+            "the least-squares methods",
+        )?;
         only(
             "rank",
             self.rank.is_some() && self.method != FitMethod::LeastSquaresWk,
@@ -717,9 +720,8 @@ impl ResourceKind for FittedMapSpec {
                         };
                         let basis = fit::key_subspace(&w, self.rank)?;
                         let (theta, style) = (cfg.rope_theta, cfg.rope_style);
-                        let pre = |t: &Tensor| {
-                            fit::rope_rotate(t, &pairs.positions, theta, style, true)
-                        };
+                        let pre =
+                            |t: &Tensor| fit::rope_rotate(t, &pairs.positions, theta, style, true);
                         maps.push(fit::least_squares_in_subspace(
                             &pre(x)?,
                             &pre(y)?,
@@ -868,9 +870,7 @@ impl ResourceKind for FittedMapSpec {
                             .iter()
                             .all(|m| m.weight.dims() == [hd, hd] && m.bias.dims() == [hd])
                 }
-                LayerMap::Mlp(m) => {
-                    m.dim() == nkv * hd && m.hidden() == self.training(hd).hidden
-                }
+                LayerMap::Mlp(m) => m.dim() == nkv * hd && m.hidden() == self.training(hd).hidden,
             });
         if !ok {
             return Err(DriverError::Records(format!(
