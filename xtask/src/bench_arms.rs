@@ -211,6 +211,7 @@ pub fn bank(
             field: "[resources.bank]".into(),
         },
         model: &ck.model,
+        senders: &BTreeMap::new(),
         deps: &deps,
     };
     let t = Instant::now();

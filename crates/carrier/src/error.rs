@@ -48,6 +48,9 @@ pub enum CarrierError {
         /// Why it cannot be used.
         reason: String,
     },
+    /// A fitted substitute cannot be fitted or used as asked.
+    #[error("fitted map: {0}")]
+    BadFit(String),
     /// From the runtime.
     #[error(transparent)]
     Runtime(#[from] tolerable_runtime::RuntimeError),

@@ -19,6 +19,7 @@ pub mod bank;
 pub mod codebook;
 pub mod error;
 pub mod fidelity;
+pub mod fit;
 pub mod inject;
 pub mod perturb;
 pub mod readout;

@@ -187,6 +187,13 @@ pub struct Injection {
     /// A perturbation of the source before injection.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub perturb: Option<Perturbation>,
+    /// A fitted map (`[resources.<name>] kind = "fitted_map"`) the source's
+    /// keys go through last (fitted substitutes): the source must be the
+    /// sender-side input the map was fitted on — `holder` with the map's
+    /// sender as the arm's holder, or `native` with the map's noise as
+    /// `perturb`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub map: Option<String>,
 }
 
 /// Genuine interpolation (PROTOCOL §5): the source moved toward another

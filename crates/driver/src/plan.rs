@@ -13,7 +13,8 @@ use crate::resources::{build_order, ResourceSpec};
 use crate::senders::SenderSpec;
 use crate::sources::{PassSource, PoolSource, SenderSource, Source};
 use crate::transforms::{
-    BankPick, BankSubstitute, BlendBy, BlendToward, CodebookSnap, Displace, Perturb, Transform,
+    BankPick, BankSubstitute, BlendBy, BlendToward, CodebookSnap, Displace, FittedSubstitute,
+    Perturb, Transform,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -162,6 +163,20 @@ pub fn compile(
             (n, s)
         })
         .collect();
+    // Key pairs read a held-out sender: it is built (and gated) with the arms'.
+    for name in &wanted {
+        if let Some(ResourceSpec::KeyPairs(p)) = cfg.resources.get(name) {
+            if let Some(s) = &p.sender {
+                if cfg.run.precision != "f32" {
+                    return Err(DriverError::Config(format!(
+                        "[resources.{name}].sender: held-out senders are built from the receiver's f32 weights; `[run] precision` is `{}`",
+                        cfg.run.precision
+                    )));
+                }
+                senders.entry(s.key()).or_insert_with(|| s.clone());
+            }
+        }
+    }
     for name in cfg.resources.keys() {
         if !wanted.contains(name) {
             tracing::warn!("[resources.{name}] is declared but no arm reads it; it is not built");
@@ -175,6 +190,91 @@ pub fn compile(
         native: cfg.anchor(Base::Full),
         senders,
     })
+}
+
+/// The key pairs a fitted map `name` was fitted on; why not, when `name`
+/// is not a fitted map over declared key pairs.
+fn fitted_input<'a>(
+    cfg: &'a SweepConfig,
+    name: &str,
+) -> std::result::Result<&'a crate::resources::KeyPairsSpec, String> {
+    match cfg.resources.get(name) {
+        Some(ResourceSpec::FittedMap(m)) => match cfg.resources.get(&m.pairs) {
+            Some(ResourceSpec::KeyPairs(p)) => Ok(p),
+            _ => Err(format!(
+                "fitted map `{name}` reads `{}`, which is not declared key pairs",
+                m.pairs
+            )),
+        },
+        Some(_) => Err(format!(
+            "`{name}` is not a fitted map (`kind = \"fitted_map\"`)"
+        )),
+        None => Err(format!(
+            "no `[resources.{name}]` is declared; declare a fitted map of that name"
+        )),
+    }
+}
+
+/// Whether an injection feeds a fitted map the input it was fitted on: the
+/// held-out sender's keys (source `holder`, the arm's holder that sender,
+/// nothing between), or the receiver's keys under the same calibrated noise
+/// (source `native`, `perturb` that noise). The field at fault and why, if not.
+fn check_map_input(
+    inj: &crate::arm::Injection,
+    pairs: &crate::resources::KeyPairsSpec,
+    senders: &BTreeMap<String, SenderSpec>,
+    arm_sender: Option<&str>,
+) -> std::result::Result<(), (&'static str, String)> {
+    if inj.blend.is_some() {
+        return Err((
+            "blend",
+            "a fitted map takes its input as fitted; no blend".into(),
+        ));
+    }
+    if inj.source_positions.is_some() {
+        return Err((
+            "source_positions",
+            "a fitted map reads its input where it writes".into(),
+        ));
+    }
+    match (&pairs.sender, pairs.noise_cosine) {
+        (Some(want), _) => {
+            let have = arm_sender.and_then(|k| senders.get(k));
+            if inj.source != SourceSpec::Holder
+                || !have.is_some_and(|h| crate::resources::fitted::same_sender(h, want))
+            {
+                return Err((
+                    "source",
+                    format!(
+                        "the map was fitted on the keys of sender `{}`: the source must be `holder` with the arm's `holder` that sender",
+                        want.key()
+                    ),
+                ));
+            }
+            if inj.perturb.is_some() {
+                return Err((
+                    "perturb",
+                    "the map was fitted on the sender's keys as they are; no perturb".into(),
+                ));
+            }
+        }
+        (None, Some(c)) => {
+            let matched = matches!(
+                inj.perturb,
+                Some(tolerable_carrier::Perturbation::CosineNoise { target_cosine }) if target_cosine == c
+            );
+            if inj.source != SourceSpec::Native || !matched {
+                return Err((
+                    "perturb",
+                    format!(
+                        "the map was fitted on the native keys under noise at cosine {c}: the source must be `native` with `perturb = {{ kind = \"cosine_noise\", target_cosine = {c} }}`"
+                    ),
+                ));
+            }
+        }
+        (None, None) => return Err(("map", "its key pairs name no input".into())),
+    }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -571,6 +671,13 @@ fn compile_arm(
         if let Some(p) = &inj.perturb {
             p.validate(&f("perturb"))?;
             transforms.push(Arc::new(Perturb(p.clone())));
+        }
+        if let Some(name) = &inj.map {
+            key_only("a fitted map")?;
+            let pairs = fitted_input(cfg, name).map_err(|why| bad(arm, f("map"), why))?;
+            check_map_input(inj, pairs, senders, sender.as_deref())
+                .map_err(|(field, why)| bad(arm, f(field), why))?;
+            transforms.push(Arc::new(FittedSubstitute { map: name.clone() }));
         }
         source.needs(arm.base, inj.carrier, &layers, needs);
         if inj.carrier == Carrier::H {

@@ -280,12 +280,14 @@ pub fn model_key(sha256: Option<&str>, path: &Path) -> String {
 }
 
 /// Builds (or loads from the cache) every resource of `resources` (a
-/// plan's, in build order), in order.
+/// plan's, in build order), in order; `senders` are the plan's held-out
+/// senders, built and gated.
 pub fn obtain_resources(
     resources: &[(String, crate::resources::ResourceSpec)],
     ck: &Checkpoint,
     precision: &str,
     train: &TrainCx,
+    senders: &BTreeMap<String, tolerable_runtime::Model>,
     store: &Store,
 ) -> Result<(BTreeMap<String, Value>, BTreeMap<String, ObtainedResource>)> {
     let model_sha = model_key(ck.sha256.as_deref(), &ck.path);
@@ -324,6 +326,7 @@ pub fn obtain_resources(
                         ..*train
                     },
                     model: &ck.model,
+                    senders,
                     deps: &values,
                 };
                 let t0 = Instant::now();
@@ -548,21 +551,8 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             .clone()
             .unwrap_or_else(Store::default_root),
     );
-    let eval = eval_set(&sample.items);
-    let (resources, obtained) = obtain_resources(
-        &plan.resources,
-        &ck,
-        &cfg.run.precision,
-        &TrainCx {
-            tokenizer: &ck.tokenizer,
-            split: &split,
-            data: &opts.data,
-            eval: &eval,
-            field: String::new(),
-        },
-        &store,
-    )?;
-    // Held-out senders, built from the receiver and gated before any eval item.
+    // Held-out senders, built from the receiver and gated before any eval
+    // item (and before the resources: fitted maps read their keys).
     let gate_prompt = ck
         .tokenizer
         .encode(tolerable_runtime::gates::SQUAD_PROMPT)?;
@@ -584,6 +574,21 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         );
         senders.insert(key.clone(), model);
     }
+    let eval = eval_set(&sample.items);
+    let (resources, obtained) = obtain_resources(
+        &plan.resources,
+        &ck,
+        &cfg.run.precision,
+        &TrainCx {
+            tokenizer: &ck.tokenizer,
+            split: &split,
+            data: &opts.data,
+            eval: &eval,
+            field: String::new(),
+        },
+        &senders,
+        &store,
+    )?;
     // Every invocation on this folder (first run, resumes, shards) is kept;
     // the top-level command, revision and threads are the latest's.
     let revision = git_revision();

@@ -1,7 +1,9 @@
 //! Transforms: what happens to a source's carrier value between the source
 //! and the mechanism, chained in order — displacement to other positions,
 //! perturbations (cosine-calibrated noise, sparse damage, integer round
-//! trips), and substitution of genuine keys from a bank or a codebook.
+//! trips), substitution of genuine keys from a bank or a codebook, and
+//! fitted substitutes (a sender-side key through a map fitted to the
+//! receiver's keys).
 //! Each acts only at the injection's sites (layers, positions, kv heads);
 //! everything else passes through bit for bit.
 
@@ -9,7 +11,7 @@ use crate::arm::Base;
 use crate::error::{DriverError, Result};
 use crate::passes::ItemPasses;
 use crate::resources::bank::downcast;
-use crate::resources::{CodebookSet, KeyBank, Value};
+use crate::resources::{CodebookSet, FittedMap, KeyBank, Value};
 use crate::sources::CarrierValue;
 use crate::sources::Source;
 use candle_core::Tensor;
@@ -422,6 +424,55 @@ impl Transform for CodebookSnap {
         map_keys(value, cx, |l, k| {
             substitute_keys(k, cx.sites, cx.heads, |h, truth| {
                 Ok(set.at(l, h)?.snap(truth, self.snapping)?)
+            })
+        })
+    }
+}
+
+/// A fitted substitute (PROTOCOL §5, sender-side construction): the
+/// source's keys at the sites (a held-out sender's, or the receiver's under
+/// calibrated noise: what the map was fitted on; the plan checks) replaced
+/// by the fitted map's prediction of the receiver's keys. Its achieved
+/// cosine is that of the mapped keys to the keys it was given.
+#[derive(Debug, Clone)]
+pub struct FittedSubstitute {
+    /// The fitted map's resource name.
+    pub map: String,
+}
+
+impl Transform for FittedSubstitute {
+    fn name(&self) -> String {
+        format!("map({})", self.map)
+    }
+
+    fn resources(&self) -> Vec<String> {
+        vec![self.map.clone()]
+    }
+
+    fn apply(&self, value: CarrierValue, cx: &TransformCx) -> Result<(CarrierValue, Achieved)> {
+        let fm = downcast::<FittedMap>(resource(cx, &self.map)?, "fitted map")?;
+        map_keys(value, cx, |l, k| {
+            let t = k.dims()[2];
+            let live: Vec<usize> = cx.sites.iter().copied().filter(|&s| s < t).collect();
+            if live.is_empty() {
+                return Ok((k.clone(), Vec::new()));
+            }
+            let idx = Tensor::from_vec(
+                live.iter().map(|&s| s as u32).collect::<Vec<_>>(),
+                live.len(),
+                k.device(),
+            )?;
+            // [n, n_kv, hd]: every head's keys at the sites (an MLP maps
+            // them jointly), positions for the pre-RoPE frame.
+            let rows = k
+                .squeeze(0)?
+                .contiguous()?
+                .index_select(&idx, 1)?
+                .transpose(0, 1)?
+                .contiguous()?;
+            let mapped = fm.apply(l, &rows, &live)?;
+            substitute_keys(k, cx.sites, cx.heads, |h, _| {
+                Ok(mapped.narrow(1, h, 1)?.squeeze(1)?.contiguous()?)
             })
         })
     }

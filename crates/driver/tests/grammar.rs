@@ -399,3 +399,118 @@ fn resources_that_cannot_be_built_fail_before_any_work() {
     let e = SweepConfig::parse(text).unwrap_err().to_string();
     assert!(e.contains("[resources.keys]") && e.contains("sise"), "{e}");
 }
+
+#[test]
+fn fitted_maps_that_cannot_be_fitted_or_applied_fail_before_any_work() {
+    let none = |_: &str| -> tolerable_driver::Result<ModelConfig> { unreachable!() };
+    let pairs = "[resources.p]\nkind = \"key_pairs\"\nsender = { requantize = \"Q4_0\" }\n";
+    let arm = |map: &str| {
+        format!("[[arms]]\nname = \"a\"\nbase = \"full\"\nholder = {{ requantize = \"Q4_0\" }}\ninject = {{ carrier = \"k\", source = \"holder\", map = \"{map}\" }}\n")
+    };
+    let check = |resources: &str, arms: &str, want: &[&str]| {
+        let e = validate(&format!("{resources}{arms}"), &none);
+        for w in want {
+            assert!(e.contains(w), "{w} not in: {e}");
+        }
+    };
+    // Zero training items; a sender that cannot be built; no input, or two.
+    check(
+        "[resources.p]\nkind = \"key_pairs\"\nsender = { requantize = \"Q4_0\" }\ntrain_items = 0\n[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"least_squares\"\n",
+        &arm("m"),
+        &["[resources.p].train_items"],
+    );
+    check(
+        "[resources.p]\nkind = \"key_pairs\"\nsender = { requantize = \"Q7_0\" }\n[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"least_squares\"\n",
+        &arm("m"),
+        &["[resources.p].sender.requantize", "Q7_0"],
+    );
+    check(
+        "[resources.p]\nkind = \"key_pairs\"\n[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"least_squares\"\n",
+        &arm("m"),
+        &["[resources.p]", "exactly one"],
+    );
+    check(
+        "[resources.p]\nkind = \"key_pairs\"\nsender = { weight_cosine = 0.99 }\nnoise_cosine = 0.9\n[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"least_squares\"\n",
+        &arm("m"),
+        &["[resources.p]", "exactly one"],
+    );
+    check(
+        "[resources.p]\nkind = \"key_pairs\"\nnoise_cosine = 1.5\n[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"least_squares\"\n",
+        &arm("m"),
+        &["[resources.p].noise_cosine", "1.5"],
+    );
+    // Hidden size 0, a parameter of another method, a rank beyond head_dim (16).
+    check(
+        &format!("{pairs}[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"mlp\"\nhidden = 0\n"),
+        &arm("m"),
+        &["[resources.m].hidden", "hidden size 0"],
+    );
+    check(
+        &format!("{pairs}[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"mlp\"\nridge = 0.1\n"),
+        &arm("m"),
+        &["[resources.m].ridge", "mlp"],
+    );
+    check(
+        &format!("{pairs}[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"least_squares_wk\"\nrank = 17\n"),
+        &arm("m"),
+        &["[resources.m].rank", "17"],
+    );
+    check(
+        &format!("{pairs}[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"mlp\"\nobjective = \"mse\"\nmargin = 0.9\n"),
+        &arm("m"),
+        &["[resources.m].margin", "hinge"],
+    );
+    check(
+        &format!("{pairs}[resources.b]\nkind = \"key_bank\"\n[resources.m]\nkind = \"fitted_map\"\npairs = \"b\"\nmethod = \"least_squares\"\n"),
+        &arm("m"),
+        &["[resources.m].pairs", "not key pairs"],
+    );
+    let ls = format!(
+        "{pairs}[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"least_squares\"\n"
+    );
+    // The arm must feed the map what it was fitted on, to keys in their slots.
+    check(
+        &ls,
+        "[[arms]]\nname = \"a\"\nbase = \"full\"\ninject = { carrier = \"k\", source = \"native\", map = \"m\" }\n",
+        &["arms[0].inject[0].source", "requantize=Q4_0"],
+    );
+    check(
+        &ls,
+        "[[arms]]\nname = \"a\"\nbase = \"full\"\nholder = { requantize = \"Q8_0\" }\ninject = { carrier = \"k\", source = \"holder\", map = \"m\" }\n",
+        &["arms[0].inject[0].source", "holder"],
+    );
+    check(
+        &ls,
+        "[[arms]]\nname = \"a\"\nbase = \"full\"\nholder = { requantize = \"Q4_0\" }\ninject = { carrier = \"kv\", source = \"holder\", map = \"m\" }\n",
+        &["arms[0].inject[0].carrier"],
+    );
+    check(
+        &ls,
+        &arm("p"),
+        &["arms[0].inject[0].map", "not a fitted map"],
+    );
+    check(
+        &ls,
+        &arm("absent"),
+        &["arms[0].inject[0].map", "[resources.absent]"],
+    );
+    check(
+        "[resources.p]\nkind = \"key_pairs\"\nnoise_cosine = 0.9\n[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"least_squares\"\n",
+        "[[arms]]\nname = \"a\"\nbase = \"full\"\ninject = { carrier = \"k\", source = \"native\", perturb = { kind = \"cosine_noise\", target_cosine = 0.8 }, map = \"m\" }\n",
+        &["arms[0].inject[0].perturb", "0.9"],
+    );
+    // An unknown method fails at parse time, naming the value.
+    let text = format!("[run]\nname = \"x\"\n[data]\nsource = \"synthetic\"\nn = 2\n{pairs}[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"ridge\"\n");
+    let e = SweepConfig::parse(&text).unwrap_err().to_string();
+    assert!(e.contains("[resources.m]") && e.contains("ridge"), "{e}");
+    // A sender needs the receiver's f32 weights.
+    let text = format!("[run]\nname = \"x\"\nmodel = \"receiver\"\nprecision = \"quantized\"\n[data]\nsource = \"synthetic\"\nn = 2\n{ls}{}", arm("m"));
+    let cfg = SweepConfig::parse(&text).unwrap();
+    let e = tolerable_driver::compile(&cfg, &receiver(), "receiver", &none)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("[resources.p].sender") && e.contains("f32"),
+        "{e}"
+    );
+}

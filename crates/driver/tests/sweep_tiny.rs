@@ -861,3 +861,252 @@ inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "hold
     assert!(e.contains("arms[0].holder"), "{e}");
     assert!(!dir.path().join("bad").exists());
 }
+
+fn fitted_config(dir: &Path, model: &Path) -> PathBuf {
+    let text = format!(
+        r#"
+[run]
+name = "tiny-fitted"
+model = "{}"
+seed = 5
+new_tokens = 3
+cell_items = 3
+
+[data]
+source = "synthetic"
+n = 3
+
+[resources.pairs]
+kind = "key_pairs"
+sender = {{ requantize = "Q4_0" }}
+train_items = 5
+data = "synthetic"
+positions = "passage"
+
+[resources.noisy]
+kind = "key_pairs"
+noise_cosine = 0.9
+train_items = 5
+data = "synthetic"
+positions = "passage"
+
+[resources.ls]
+kind = "fitted_map"
+pairs = "pairs"
+method = "least_squares"
+
+[resources.wk]
+kind = "fitted_map"
+pairs = "pairs"
+method = "least_squares_wk"
+rank = 4
+
+[resources.mlp]
+kind = "fitted_map"
+pairs = "pairs"
+method = "mlp"
+hidden = 16
+objective = "hinge"
+margin = 0.999
+steps = 20
+lr = 0.01
+
+[resources.noise_ls]
+kind = "fitted_map"
+pairs = "noisy"
+method = "least_squares"
+
+[[arms]]
+name = "floor"
+base = "masked"
+
+[[arms]]
+name = "native"
+base = "full"
+
+[[arms]]
+name = "raw_sender"
+base = "full"
+holder = {{ requantize = "Q4_0" }}
+inject = {{ carrier = "k", positions = "fact_region", source = "holder" }}
+
+[[arms]]
+name = "ls"
+base = "full"
+holder = {{ requantize = "q4_0" }}
+inject = {{ carrier = "k", positions = "fact_region", source = "holder", map = "ls" }}
+
+[[arms]]
+name = "wk"
+base = "full"
+holder = {{ requantize = "Q4_0" }}
+inject = {{ carrier = "k", positions = "fact_region", source = "holder", map = "wk" }}
+
+[[arms]]
+name = "mlp"
+base = "full"
+holder = {{ requantize = "Q4_0" }}
+inject = {{ carrier = "k", positions = "fact_region", source = "holder", map = "mlp" }}
+
+[[arms]]
+name = "noise_ls"
+base = "full"
+inject = {{ carrier = "k", positions = "fact_region", source = "native", perturb = {{ kind = "cosine_noise", target_cosine = 0.9 }}, map = "noise_ls" }}
+"#,
+        model.display()
+    );
+    let p = dir.join("fitted.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn fitted_substitutes_are_built_once_cached_recorded_and_carry_fidelity() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = fitted_config(dir.path(), &model);
+    let cache = dir.path().join("resources");
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    let read = |out: &str| -> serde_json::Value {
+        serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join(out).join("run.json")).unwrap(),
+        )
+        .unwrap()
+    };
+    sweep::run(&cfg, &opts("a")).unwrap();
+    let meta = read("a");
+    for r in ["pairs", "noisy", "ls", "wk", "mlp", "noise_ls"] {
+        assert_eq!(meta["resources"][r]["obtained"], "built", "{r}");
+    }
+    // One sender serves the arms and the key pairs (`q4_0` is `Q4_0`).
+    assert!(
+        meta["senders"]["requantize=Q4_0"].is_object(),
+        "{}",
+        meta["senders"]
+    );
+    // Training items are never evaluation items.
+    let eval: Vec<&str> = meta["data"]["item_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(meta["resources"]["pairs"]["training_items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| !eval.contains(&t.as_str().unwrap())));
+    let (names, all) = rows(&dir.path().join("a/items/cell-00000.parquet"));
+    let arm = col(&names, &all, "arm");
+    let res = col(&names, &all, "resources");
+    let fid = col(&names, &all, "fidelity_cosine");
+    let corr = col(&names, &all, "logit_correlation");
+    for name in ["raw_sender", "ls", "wk", "mlp", "noise_ls"] {
+        let k = arm.iter().position(|a| a == name).unwrap();
+        let f: f64 = fid[k]
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}: {}", fid[k]));
+        assert!(f > 0.0 && f <= 1.0 + 1e-9, "{name}: {f}");
+        let c: f64 = corr[k]
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}: {}", corr[k]));
+        assert!((-1.0..=1.0 + 1e-9).contains(&c), "{name}: {c}");
+        if name != "raw_sender" {
+            let hash = meta["resources"][name]["hash"].as_str().unwrap();
+            assert!(res[k].contains(&format!("{name}={hash}")), "{}", res[k]);
+        }
+    }
+    // The arms differ from the raw sender's keys they were given.
+    let at = |name: &str| arm.iter().position(|a| a == name).unwrap();
+    for name in ["ls", "wk", "mlp"] {
+        assert_ne!(fid[at(name)], fid[at("raw_sender")], "{name}");
+    }
+
+    // A second run loads every resource from the cache, and decodes the same.
+    sweep::run(&cfg, &opts("b")).unwrap();
+    let meta2 = read("b");
+    for r in ["pairs", "noisy", "ls", "wk", "mlp", "noise_ls"] {
+        assert_eq!(meta2["resources"][r]["obtained"], "cached", "{r}");
+        assert_eq!(meta2["resources"][r]["hash"], meta["resources"][r]["hash"]);
+    }
+    let (n2, r2) = rows(&dir.path().join("b/items/cell-00000.parquet"));
+    assert_eq!(
+        col(&n2, &r2, "continuation_ids"),
+        col(&names, &all, "continuation_ids")
+    );
+    assert_eq!(col(&n2, &r2, "fidelity_cosine"), fid);
+}
+
+/// The pre-RoPE frame of `least_squares_wk`: un-rotating the cache's keys
+/// gives the keys `W_k` wrote (`hook_k`), for both RoPE layouts; the key
+/// projection has the layer's shape, with a bias where the family has one.
+#[test]
+fn fitted_maps_see_the_pre_rope_keys_the_key_projection_wrote() {
+    use tolerable_runtime::{Arch, HookPoint, HookSpec, LogitsAt, Model, Precision};
+    let dir = tempfile::tempdir().unwrap();
+    for arch in [Arch::Qwen2, Arch::Llama] {
+        let p = dir.path().join(format!("{arch:?}.gguf"));
+        write_gguf(
+            &TinySpec {
+                arch,
+                ..TinySpec::default()
+            },
+            &p,
+        )
+        .unwrap();
+        let m = Model::from_gguf(&p, Precision::F32, &candle_core::Device::Cpu).unwrap();
+        let cfg = m.config().clone();
+        let ids: Vec<u32> = (0..12)
+            .map(|i| (i * 7 + 3) % cfg.vocab_size as u32)
+            .collect();
+        let mut cache = m.new_cache(1);
+        let spec = HookSpec::new().capture(HookPoint::K(1));
+        let out = m
+            .forward(
+                &m.tokens(std::slice::from_ref(&ids)).unwrap(),
+                &mut cache,
+                &spec,
+                LogitsAt::None,
+            )
+            .unwrap();
+        let pre = out.hooks.get(HookPoint::K(1)).unwrap(); // [1, nkv, T, hd]
+        let rot = &cache.require_layer(1).unwrap().k;
+        let pos: Vec<usize> = (0..ids.len()).collect();
+        let (wk, bk) = m.key_projection(1).unwrap();
+        for h in 0..cfg.n_kv_heads {
+            let head = |t: &candle_core::Tensor| {
+                t.narrow(1, h, 1)
+                    .unwrap()
+                    .squeeze(0)
+                    .unwrap()
+                    .squeeze(0)
+                    .unwrap()
+            };
+            let back = tolerable_carrier::fit::rope_rotate(
+                &head(rot),
+                &pos,
+                cfg.rope_theta,
+                cfg.rope_style,
+                true,
+            )
+            .unwrap();
+            let diff = (&back - &head(pre))
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(diff < 1e-4, "{arch:?} head {h}: {diff}");
+        }
+        assert_eq!(wk.dims(), [cfg.n_kv_heads * cfg.head_dim, cfg.d_model]);
+        assert_eq!(bk.is_some(), cfg.qkv_bias());
+    }
+}

@@ -245,6 +245,34 @@ impl Model {
         Ok(out)
     }
 
+    /// The key projection of block `layer`: its weights `[n_kv_heads *
+    /// head_dim, d_model]` (f32, dequantized when held quantized) and its
+    /// bias `[n_kv_heads * head_dim]` when the architecture has one. The
+    /// pre-RoPE key of a normed residual `h` is `h W^T + b`.
+    pub fn key_projection(&self, layer: usize) -> Result<(Tensor, Option<Tensor>)> {
+        let blk = self
+            .blocks
+            .get(layer)
+            .ok_or_else(|| RuntimeError::LayerOutOfRange {
+                site: "key_projection".into(),
+                layer,
+                n_layers: self.cfg.n_layers,
+            })?;
+        let (nq, nkv) = (
+            self.cfg.n_heads * self.cfg.head_dim,
+            self.cfg.n_kv_heads * self.cfg.head_dim,
+        );
+        Ok(match &blk.qkv {
+            Qkv::Fused { w, b } => (
+                w.dense()?.narrow(0, nq, nkv)?.contiguous()?,
+                b.as_ref()
+                    .map(|b| b.narrow(0, nq, nkv).and_then(|t| t.contiguous()))
+                    .transpose()?,
+            ),
+            Qkv::Split { k, b, .. } => (k.dense()?, b.as_ref().map(|[_, bk, _]| bk.clone())),
+        })
+    }
+
     /// The architecture.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg

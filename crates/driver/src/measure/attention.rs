@@ -994,6 +994,7 @@ pub fn run(
                     eval: &eval,
                     field: "[measure.bank]".into(),
                 },
+                &BTreeMap::new(),
                 &store,
             )?;
             if let Some(i) = info.get("bank") {

@@ -1,6 +1,7 @@
 //! Resources: sweep-level state fitted on training items (never on
 //! evaluation items) and shared by every item of a run — the key bank,
-//! codebooks fitted on it, and later projections, pools and trained bridges.
+//! codebooks fitted on it, key pairs and the maps fitted on them (fitted
+//! substitutes), and later projections, pools and trained bridges.
 //!
 //! Each resource is declared in the config (`[resources.<name>]`), has a
 //! content hash over its spec, the receiver's sha256, the ids of the
@@ -12,6 +13,7 @@
 
 pub mod bank;
 pub mod codebook;
+pub mod fitted;
 pub mod store;
 
 use crate::config::DataSource;
@@ -27,6 +29,7 @@ use tolerable_runtime::{Model, Tokenizer};
 
 pub use bank::{KeyBank, KeyBankSpec};
 pub use codebook::{CodebookSet, CodebookSpec};
+pub use fitted::{FitMethod, FittedMap, FittedMapSpec, KeyPairs, KeyPairsSpec};
 
 /// A resource as the config declares it: its kind and parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -37,6 +40,11 @@ pub enum ResourceSpec {
     KeyBank(KeyBankSpec),
     /// A codebook per layer and kv head, fitted on a key bank.
     Codebook(CodebookSpec),
+    /// Sender-side keys beside the receiver's genuine keys on training
+    /// passages: the rows fitted maps are fitted on.
+    KeyPairs(KeyPairsSpec),
+    /// A map from a sender-side key to the receiver's (fitted substitutes).
+    FittedMap(FittedMapSpec),
 }
 
 impl ResourceSpec {
@@ -45,6 +53,8 @@ impl ResourceSpec {
         match self {
             ResourceSpec::KeyBank(s) => s,
             ResourceSpec::Codebook(s) => s,
+            ResourceSpec::KeyPairs(s) => s,
+            ResourceSpec::FittedMap(s) => s,
         }
     }
 }
@@ -69,12 +79,15 @@ pub struct TrainCx<'a> {
 }
 
 /// What building a resource may read: its training context, the receiver,
-/// and the resources it depends on (built first).
+/// the held-out senders of the plan (built and gated first), and the
+/// resources it depends on (built first).
 pub struct BuildCx<'a> {
     /// Training items and settings.
     pub train: TrainCx<'a>,
     /// The receiver.
     pub model: &'a Model,
+    /// Held-out senders of the plan by key (`requantize=Q4_0`).
+    pub senders: &'a BTreeMap<String, Model>,
     /// Built dependencies by resource name.
     pub deps: &'a BTreeMap<String, Value>,
 }
