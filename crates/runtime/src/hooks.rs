@@ -393,11 +393,45 @@ pub fn site_mask(
     Ok(Tensor::from_vec(data, shape, device)?)
 }
 
+/// The attention projection a low-rank adapter adds to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Projection {
+    /// The query projection (`blocks.{l}.attn.hook_q` receives its output).
+    Q,
+    /// The key projection.
+    K,
+    /// The value projection.
+    V,
+}
+
+/// A low-rank adapter (LoRA) on one attention projection of one layer: a
+/// runtime edit computed from the projection's input, `h A B * scale`
+/// added to the projection's output for every position of the call (before
+/// the `hook_q` / `hook_k` / `hook_v` hooks and RoPE). The receiver's
+/// weights stay untouched; `A` and `B` may be trainable variables, and
+/// gradients flow through them on the differentiable kernels. With `B`
+/// zero the forward is the unadapted one.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    /// The layer.
+    pub layer: usize,
+    /// The projection adapted.
+    pub projection: Projection,
+    /// Down projection `[d_model, rank]`.
+    pub a: Tensor,
+    /// Up projection `[rank, heads * head_dim]` of the projection's output.
+    pub b: Tensor,
+    /// Scale of the low-rank term (LoRA's alpha / rank).
+    pub scale: f64,
+}
+
 /// What to capture and where to intervene during one forward call.
 #[derive(Debug, Clone, Default)]
 pub struct HookSpec {
     captures: HashSet<HookPoint>,
     interventions: Vec<Intervention>,
+    adapters: Vec<Adapter>,
 }
 
 impl HookSpec {
@@ -408,7 +442,33 @@ impl HookSpec {
 
     /// Whether the spec asks for nothing.
     pub fn is_empty(&self) -> bool {
-        self.captures.is_empty() && self.interventions.is_empty()
+        self.captures.is_empty() && self.interventions.is_empty() && self.adapters.is_empty()
+    }
+
+    /// Adds a low-rank adapter; several on one projection add up.
+    pub fn adapt(mut self, adapter: Adapter) -> Self {
+        self.adapters.push(adapter);
+        self
+    }
+
+    /// Adds several adapters.
+    pub fn adapt_all(mut self, adapters: impl IntoIterator<Item = Adapter>) -> Self {
+        self.adapters.extend(adapters);
+        self
+    }
+
+    /// The adapters, in order.
+    pub fn adapters(&self) -> &[Adapter] {
+        &self.adapters
+    }
+
+    /// The same adapters with no captures or interventions (what decoding
+    /// steps after the prompt run with).
+    pub fn adapters_only(&self) -> HookSpec {
+        HookSpec {
+            adapters: self.adapters.clone(),
+            ..HookSpec::default()
+        }
     }
 
     /// Adds a capture.
@@ -446,6 +506,9 @@ impl HookSpec {
         }
         for i in &self.interventions {
             i.point.check_layer(n_layers)?;
+        }
+        for a in &self.adapters {
+            HookPoint::Q(a.layer).check_layer(n_layers)?;
         }
         Ok(())
     }

@@ -19,7 +19,7 @@ pub mod weights;
 
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use error::{Result, RuntimeError};
-pub use hooks::{Edit, HookCache, HookPoint, HookSpec, Intervention};
+pub use hooks::{Adapter, Edit, HookCache, HookPoint, HookSpec, Intervention, Projection};
 pub use kv_cache::{KvCache, LayerKv, Segment, SegmentKind};
 pub use model::{ForwardOutput, Generation, GreedyOptions, Kernels, LogitsAt, Model};
 pub use weights::{Precision, Proj};

@@ -8,7 +8,7 @@
 
 use crate::config::{ModelConfig, RopeStyle};
 use crate::error::{Result, RuntimeError};
-use crate::hooks::{HookCache, HookPoint, HookSpec};
+use crate::hooks::{Adapter, HookCache, HookPoint, HookSpec, Projection};
 use crate::kv_cache::{KvCache, LayerKv};
 use crate::weights::{Precision, Proj, Source};
 use candle_core::{DType, Device, Tensor, D};
@@ -511,6 +511,36 @@ impl Model {
         })
     }
 
+    /// The low-rank term of `ad` on the normed residual `h` `[b, s, d]`,
+    /// head-major `[b, n, s, hd]` like the projection it adds to.
+    fn adapter_delta(&self, ad: &Adapter, h: &Tensor, n: usize) -> Result<Tensor> {
+        let (b, s, d) = h.dims3()?;
+        let hd = self.cfg.head_dim;
+        let bad = |reason: String| RuntimeError::BadIntervention {
+            site: format!("adapter on blocks.{}.{:?}", ad.layer, ad.projection),
+            reason,
+        };
+        let (ad_in, r) =
+            ad.a.dims2()
+                .map_err(|_| bad(format!("A is {:?}, not [d_model, rank]", ad.a.dims())))?;
+        let (r2, out) =
+            ad.b.dims2()
+                .map_err(|_| bad(format!("B is {:?}, not [rank, out]", ad.b.dims())))?;
+        if ad_in != d || r2 != r || out != n * hd {
+            return Err(bad(format!(
+                "A {:?} and B {:?} do not map width {d} to {n} heads x {hd}",
+                ad.a.dims(),
+                ad.b.dims()
+            )));
+        }
+        let y = h
+            .reshape((b * s, d))?
+            .matmul(&ad.a)?
+            .matmul(&ad.b)?
+            .affine(ad.scale, 0.0)?;
+        Ok(y.reshape((b, s, n, hd))?.transpose(1, 2)?.contiguous()?)
+    }
+
     /// q, k, v of a normed residual `[b, s, d]`, head-major, before RoPE.
     fn project_qkv(&self, blk: &Block, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, s, _) = h.dims3()?;
@@ -591,7 +621,19 @@ impl Model {
         let g = nh / nkv;
         let x = self.hook(spec, ResidPre(l), x, hc)?;
         let h = self.rms(&x, &blk.attn_norm)?;
-        let (q, k, v) = self.project_qkv(blk, &h)?;
+        let (mut q, mut k, mut v) = self.project_qkv(blk, &h)?;
+        for ad in spec.adapters().iter().filter(|a| a.layer == l) {
+            let n = match ad.projection {
+                Projection::Q => nh,
+                Projection::K | Projection::V => nkv,
+            };
+            let delta = self.adapter_delta(ad, &h, n)?;
+            match ad.projection {
+                Projection::Q => q = (q + delta)?,
+                Projection::K => k = (k + delta)?,
+                Projection::V => v = (v + delta)?,
+            }
+        }
         let q = self.hook(spec, Q(l), q, hc)?;
         let k = self.hook(spec, K(l), k, hc)?;
         let v = self.hook(spec, V(l), v, hc)?;
@@ -719,7 +761,7 @@ impl Model {
                 break;
             }
             let t = Tensor::from_vec(next, (b, 1), &self.device)?;
-            let o = self.forward(&t, cache, &HookSpec::new(), LogitsAt::Last)?;
+            let o = self.forward(&t, cache, &opts.adapters, LogitsAt::Last)?;
             logits = o.logits.expect("asked for logits").squeeze(1)?;
         }
         Ok(Generation {
@@ -736,6 +778,9 @@ pub struct GreedyOptions {
     pub max_new_tokens: usize,
     /// Tokens that end a sequence early (kept in the output); empty = never stop early.
     pub stop_tokens: Vec<u32>,
+    /// Low-rank adapters every decoding step runs with (a bridged arm's
+    /// adapters; captures and interventions are ignored here).
+    pub adapters: HookSpec,
 }
 
 impl GreedyOptions {
@@ -744,7 +789,14 @@ impl GreedyOptions {
         Self {
             max_new_tokens: n,
             stop_tokens: Vec::new(),
+            adapters: HookSpec::new(),
         }
+    }
+
+    /// The same, decoding with the adapters of `spec`.
+    pub fn with_adapters(mut self, spec: &HookSpec) -> Self {
+        self.adapters = spec.adapters_only();
+        self
     }
 }
 
