@@ -279,45 +279,32 @@ pub enum BridgeTargets {
     Router,
 }
 
-/// A small trained bridge (PROTOCOL §7).
+/// A trained bridge on an arm (PROTOCOL §7): the low-rank adapters of a
+/// `bridge` resource (`[resources.<name>] kind = "bridge"`), run on the
+/// question and decoding of the arm.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Bridge {
-    /// What it adapts.
-    pub targets: BridgeTargets,
-    /// LoRA rank (16 by default).
-    #[serde(default = "sixteen")]
-    pub rank: usize,
-    /// Training items (200 by default).
-    #[serde(default = "two_hundred")]
-    pub train_items: usize,
-    /// Epochs (4 by default).
-    #[serde(default = "four")]
-    pub epochs: usize,
-    /// Pool size it is trained at (sender pools).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub train_pool: Option<usize>,
-}
-
-fn sixteen() -> usize {
-    16
-}
-fn two_hundred() -> usize {
-    200
-}
-fn four() -> usize {
-    4
+    /// The bridge resource.
+    pub resource: String,
+    /// Use the adapters as initialised, before any training step (B = 0:
+    /// the zero-init gate, bit-identical to the raw arm).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub init: bool,
 }
 
 /// A per-item gate an arm must pass: its continuation and first-step logits
-/// equal an anchor's bit for bit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// equal another arm's bit for bit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Expect {
     /// Equal to the floor (the no-op control).
     Floor,
     /// Equal to the native reference (the identity arm).
     Native,
+    /// Equal to the arm of this (expanded) name, e.g. a bridged arm at its
+    /// zero-initialised adapters against the raw arm: `expect = { arm = "kv_augment" }`.
+    Arm(String),
 }
 
 /// One arm: a base pass and the injections into it.

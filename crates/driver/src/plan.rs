@@ -67,6 +67,9 @@ pub struct ArmProgram {
     pub resources: Vec<String>,
     /// The name its random draws are keyed by (its own, or `seed_as`).
     pub seed_key: String,
+    /// The bridge resource whose adapters run its question and decoding,
+    /// and whether at their initial values.
+    pub bridge: Option<(String, bool)>,
 }
 
 impl ArmProgram {
@@ -294,12 +297,42 @@ fn compile_arm(
         Some(i) => format!("arms[{i}]"),
         None => arm.name.clone(),
     };
-    if arm.bridge.is_some() {
-        return Err(bad(
-            arm,
-            format!("{prefix}.bridge"),
-            "trained bridges (PROTOCOL §7) are part of the grammar but no bridge resource is built yet",
-        ));
+    if let Some(b) = &arm.bridge {
+        match cfg.resources.get(&b.resource) {
+            Some(ResourceSpec::Bridge(_)) => {}
+            Some(other) => {
+                return Err(bad(
+                    arm,
+                    format!("{prefix}.bridge.resource"),
+                    format!(
+                        "`{}` is a {} resource, not a bridge",
+                        b.resource,
+                        other.kind().kind()
+                    ),
+                ))
+            }
+            None => {
+                return Err(bad(
+                    arm,
+                    format!("{prefix}.bridge.resource"),
+                    format!(
+                        "no resource `{}`: declare it as [resources.{}] kind = \"bridge\"",
+                        b.resource, b.resource
+                    ),
+                ))
+            }
+        }
+    }
+    if let Some(Expect::Arm(name)) = &arm.expect {
+        if name == &arm.name || !cfg.arms.iter().any(|o| &o.arm.name == name) {
+            return Err(bad(
+                arm,
+                format!("{prefix}.expect.arm"),
+                format!(
+                    "`{name}` is not another arm of this config (arm names after grid expansion)"
+                ),
+            ));
+        }
     }
     // A held-out sender: the receiver's weights re-quantized or perturbed.
     let mut sender: Option<String> = None;
@@ -720,6 +753,9 @@ fn compile_arm(
         .chain(&cache_steps)
         .flat_map(|s: &Step| s.transforms.iter().flat_map(|t| t.resources()))
         .collect();
+    if let Some(b) = &arm.bridge {
+        resources.push(b.resource.clone());
+    }
     resources.sort();
     resources.dedup();
     Ok(ArmProgram {
@@ -728,9 +764,10 @@ fn compile_arm(
         base: arm.base,
         resid_steps,
         cache_steps,
-        expect: arm.expect,
+        expect: arm.expect.clone(),
         resources,
         seed_key: arm.seed_as.clone().unwrap_or_else(|| arm.name.clone()),
+        bridge: arm.bridge.as_ref().map(|b| (b.resource.clone(), b.init)),
     })
 }
 
@@ -808,8 +845,15 @@ impl Plan {
         let _ = writeln!(s, "programs ({} arms):", self.programs.len());
         for p in &self.programs {
             let _ = write!(s, "  {}: base {}", p.name, p.base.name());
-            if let Some(e) = p.expect {
+            if let Some(e) = &p.expect {
                 let _ = write!(s, ", expect {e:?}");
+            }
+            if let Some((b, init)) = &p.bridge {
+                let _ = write!(
+                    s,
+                    ", bridge `{b}`{}",
+                    if *init { " (initial adapters)" } else { "" }
+                );
             }
             let _ = writeln!(s);
             for st in p.steps() {

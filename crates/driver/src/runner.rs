@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::exec::{prepare, ItemCx, Measures, Prepared};
 use crate::passes::item_passes;
 use crate::plan::Plan;
+use crate::resources::BridgeValue;
 use crate::resources::Value;
 use crate::transforms::Memo;
 use candle_core::Tensor;
@@ -16,7 +17,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 use tolerable_probe::ContextPair;
 use tolerable_runtime::gates::bit_equal;
-use tolerable_runtime::{GreedyOptions, KvCache, Model};
+use tolerable_runtime::{GreedyOptions, HookSpec, KvCache, Model};
 
 /// What one arm produced on one item.
 #[derive(Debug, Clone)]
@@ -144,11 +145,17 @@ impl<'a> Runner<'a> {
             prepared.push((p, t0.elapsed().as_secs_f64()));
         }
         timing.prepare_s = prepared.iter().map(|p| p.1).sum();
-        // Group arms by cache layout; each group runs the question and decoding as one batch.
+        // Group arms by cache layout and bridge; each group runs the question
+        // and decoding as one batch.
         let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         for (a, (p, _)) in prepared.iter().enumerate() {
             let key = match self.batching {
-                Batching::Batched => format!("{}:{:?}", p.cache.len(), p.cache.segments()),
+                Batching::Batched => format!(
+                    "{}:{:?}:{:?}",
+                    p.cache.len(),
+                    p.cache.segments(),
+                    self.plan.programs[a].bridge
+                ),
                 Batching::OneAtATime => format!("arm{a:06}"),
             };
             groups.entry(key).or_default().push(a);
@@ -159,7 +166,22 @@ impl<'a> Runner<'a> {
             let refs: Vec<&KvCache> = members.iter().map(|&a| &prepared[a].0.cache).collect();
             let mut cache = KvCache::stack(&refs)?;
             let prompt = vec![pair.suffix.clone(); members.len()];
-            let gen = self.model.generate(&prompt, &mut cache, &self.greedy)?;
+            let spec = match &self.plan.programs[members[0]].bridge {
+                Some((name, init)) => {
+                    let v = self.resources.get(name).ok_or_else(|| {
+                        crate::error::DriverError::Records(format!(
+                            "internal: bridge `{name}` was not built"
+                        ))
+                    })?;
+                    let b: &BridgeValue = crate::resources::bank::downcast(v, "bridge")?;
+                    b.spec(*init)
+                }
+                None => HookSpec::new(),
+            };
+            let greedy = self.greedy.clone().with_adapters(&spec);
+            let gen = self
+                .model
+                .generate_with(&prompt, &mut cache, &spec, &greedy)?;
             let spent = t0.elapsed().as_secs_f64();
             timing.decode_s += spent;
             let share = spent / members.len() as f64;
@@ -184,10 +206,22 @@ impl<'a> Runner<'a> {
         }
         // The per-item gates: arms that must equal an anchor bit for bit.
         for (a, program) in self.plan.programs.iter().enumerate() {
-            if let Some(e) = program.expect {
+            if let Some(e) = &program.expect {
                 let anchor = match e {
                     Expect::Floor => self.plan.floor,
                     Expect::Native => self.plan.native,
+                    Expect::Arm(name) => self
+                        .plan
+                        .programs
+                        .iter()
+                        .find(|p| &p.name == name)
+                        .map(|p| p.index)
+                        .ok_or_else(|| {
+                            crate::error::DriverError::Records(format!(
+                                "arm `{}` is gated against `{name}`, which this plan does not run",
+                                program.name
+                            ))
+                        })?,
                 };
                 // Programs are looked up by their arm's index: a plan may run
                 // a subset of the config's arms.

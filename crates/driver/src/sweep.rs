@@ -622,6 +622,10 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
                     "obtained": o.obtained,
                     "build_seconds": o.build_seconds,
                     "training_items": o.items,
+                    "summary": resources
+                        .get(name)
+                        .map(|v| spec.kind().summary(v))
+                        .unwrap_or(serde_json::Value::Null),
                 }),
             )
         })

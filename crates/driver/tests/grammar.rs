@@ -191,15 +191,15 @@ inject = { carrier = "kv", positions = "passage", source = "holder", mechanism =
 # §7 bridges and pools
 [[arms]]
 name = "lora_q"
-bridge = { targets = "q", rank = 16, train_items = 200, epochs = 4 }
+bridge = { resource = "q_lora" }
 inject = { carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }
 [[arms]]
 name = "pool_masked_control"
-bridge = { targets = "q", train_pool = 4 }
+bridge = { resource = "pool_bridge" }
 inject = { carrier = "kv", positions = "passage", source = { pool = { n = 4, router = "uniform", members = "answer_masked" } }, mechanism = "append" }
 [[arms]]
 name = "router"
-bridge = { targets = "router" }
+bridge = { resource = "router" }
 inject = { carrier = "h", layers = 12, positions = "fact_region", source = { pool = { n = 4, router = "trained" } }, mechanism = "add", alpha = 1.0 }
 # §10 Mode D: cached downstream states plus a delta, layers l..L recomputed
 [[arms]]

@@ -1110,3 +1110,117 @@ fn fitted_maps_see_the_pre_rope_keys_the_key_projection_wrote() {
         assert_eq!(bk.is_some(), cfg.qkv_bias());
     }
 }
+
+fn bridge_config(dir: &Path, model: &Path, epochs: usize) -> PathBuf {
+    let text = format!(
+        r#"
+[run]
+name = "tiny-bridge"
+model = "{}"
+seed = 5
+new_tokens = 3
+cell_items = 2
+
+[data]
+source = "synthetic"
+n = 3
+
+[resources.qb]
+kind = "bridge"
+targets = "q"
+rank = 4
+train_items = 4
+slice_items = 2
+epochs = {epochs}
+lr = 0.01
+data = "synthetic"
+arm = {{ inject = [{{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}] }}
+
+[[arms]]
+name = "kv_augment"
+inject = {{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}
+
+[[arms]]
+name = "kv_bridge"
+bridge = {{ resource = "qb" }}
+inject = {{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}
+
+[[arms]]
+name = "kv_bridge_init"
+bridge = {{ resource = "qb", init = true }}
+expect = {{ arm = "kv_augment" }}
+inject = {{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}
+
+[[arms]]
+name = "kv_bridge_mismatch"
+bridge = {{ resource = "qb" }}
+inject = {{ carrier = "kv", positions = "passage", source = "other_item", mechanism = "append" }}
+"#,
+        model.display()
+    );
+    let p = dir.join("bridge.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = bridge_config(dir.path(), &model, 2);
+    let cache = dir.path().join("resources");
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    let out = dir.path().join("a");
+    sweep::run(&cfg, &opts("a")).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    let qb = &meta["resources"]["qb"];
+    assert_eq!(qb["obtained"], "built");
+    let curve = qb["summary"]["curve"].as_array().unwrap();
+    assert_eq!(curve.len(), 3, "{qb}");
+    assert!(curve[0]["train_loss"].is_null());
+    assert!(curve[1]["train_loss"].as_f64().unwrap().is_finite());
+    assert!(qb["summary"]["best_epoch"].as_u64().unwrap() <= 2);
+    // The zero-init arm equals the raw arm bit for bit on every item.
+    let (names, rows) = rows(&out.join("items/cell-00000.parquet"));
+    let arm = col(&names, &rows, "arm");
+    let exact = col(&names, &rows, "bit_exact");
+    let res = col(&names, &rows, "resources");
+    for (i, a) in arm.iter().enumerate() {
+        if a == "kv_bridge_init" {
+            assert_eq!(exact[i], "true", "row {i}");
+        }
+        if a.starts_with("kv_bridge") {
+            assert!(res[i].contains("qb="), "{}", res[i]);
+        }
+    }
+    // A second run loads it from the cache.
+    sweep::run(&cfg, &opts("b")).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("b/run.json")).unwrap())
+            .unwrap();
+    assert_eq!(meta["resources"]["qb"]["obtained"], "cached");
+    assert_eq!(meta["resources"]["qb"]["summary"], qb["summary"]);
+    // Bad input, named before any work: an unknown bridge, a bridge trained
+    // on another item's states, the router, a gate against a missing arm.
+    for (from, to, want) in [
+        ("bridge = {{ resource = \"qb\" }}", "bridge = {{ resource = \"nope\" }}", "bridge.resource"),
+        ("arm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"holder\"", "arm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"other_item\"", "own passes"),
+        ("targets = \"q\"", "targets = \"router\"", "router"),
+        ("expect = {{ arm = \"kv_augment\" }}", "expect = {{ arm = \"nope\" }}", "expect.arm"),
+    ] {
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        let from = from.replace("{{", "{").replace("}}", "}");
+        let to = to.replace("{{", "{").replace("}}", "}");
+        assert!(text.contains(&from), "{from}");
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, text.replacen(&from, &to, 1)).unwrap();
+        let e = sweep::run(&bad, &opts("bad")).unwrap_err().to_string();
+        assert!(e.contains(want), "{want}: {e}");
+        assert!(!dir.path().join("bad/run.json").exists());
+    }
+}

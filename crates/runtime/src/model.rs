@@ -730,8 +730,20 @@ impl Model {
         cache: &mut KvCache,
         opts: &GreedyOptions,
     ) -> Result<Generation> {
+        self.generate_with(prompt, cache, &HookSpec::new(), opts)
+    }
+
+    /// As [`Model::generate`], with the prompt run under `spec` (captures,
+    /// interventions, adapters); decoding steps run `opts.adapters`.
+    pub fn generate_with(
+        &self,
+        prompt: &[Vec<u32>],
+        cache: &mut KvCache,
+        spec: &HookSpec,
+        opts: &GreedyOptions,
+    ) -> Result<Generation> {
         let tokens = self.tokens(prompt)?;
-        let out = self.forward(&tokens, cache, &HookSpec::new(), LogitsAt::Last)?;
+        let out = self.forward(&tokens, cache, spec, LogitsAt::Last)?;
         let first_logits = out.logits.expect("asked for logits").squeeze(1)?;
         self.decode_from(&first_logits, cache, opts)
     }

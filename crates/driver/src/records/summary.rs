@@ -162,6 +162,7 @@ pub fn summarize(
             bit_exact_items: pa
                 .arm
                 .expect
+                .as_ref()
                 .map(|_| rows.iter().filter(|r| r.bit_exact == Some(true)).count() as i64),
             controls: controls
                 .iter()

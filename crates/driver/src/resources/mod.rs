@@ -12,6 +12,7 @@
 //! every item row that used the resource.
 
 pub mod bank;
+pub mod bridge;
 pub mod codebook;
 pub mod fitted;
 pub mod store;
@@ -28,6 +29,7 @@ use tolerable_probe::{SplitItem, SplitOptions};
 use tolerable_runtime::{Model, Tokenizer};
 
 pub use bank::{KeyBank, KeyBankSpec};
+pub use bridge::{BridgeSpec, BridgeValue, TrainArm};
 pub use codebook::{CodebookSet, CodebookSpec};
 pub use fitted::{FitMethod, FittedMap, FittedMapSpec, KeyPairs, KeyPairsSpec};
 
@@ -45,6 +47,9 @@ pub enum ResourceSpec {
     KeyPairs(KeyPairsSpec),
     /// A map from a sender-side key to the receiver's (fitted substitutes).
     FittedMap(FittedMapSpec),
+    /// Low-rank adapters on the receiver's attention projections, trained
+    /// under an arm (PROTOCOL §7).
+    Bridge(BridgeSpec),
 }
 
 impl ResourceSpec {
@@ -55,6 +60,7 @@ impl ResourceSpec {
             ResourceSpec::Codebook(s) => s,
             ResourceSpec::KeyPairs(s) => s,
             ResourceSpec::FittedMap(s) => s,
+            ResourceSpec::Bridge(s) => s,
         }
     }
 }
@@ -137,6 +143,11 @@ pub trait ResourceKind {
     /// Forward tokens building it costs, roughly (for plan estimates).
     fn estimate_tokens(&self) -> usize {
         0
+    }
+    /// What `run.json` records about a built value beyond its hash (a
+    /// bridge's training curve); null for most kinds.
+    fn summary(&self, _value: &Value) -> serde_json::Value {
+        serde_json::Value::Null
     }
 }
 
