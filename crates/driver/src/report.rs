@@ -162,7 +162,8 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
             let _ = writeln!(md, "- {n}");
         }
     }
-    let plots = plot_axes(run_dir, &rows, floor.as_ref(), native.as_ref())?;
+    let mut plots = plot_axes(run_dir, &rows, floor.as_ref(), native.as_ref())?;
+    plots.extend(resource_curves(run_dir, &mut md)?);
     if !plots.is_empty() {
         let _ = writeln!(md, "\n## Plots\n");
         for p in plots {
@@ -172,6 +173,101 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     }
     let out = run_dir.join("report.md");
     std::fs::write(&out, md).map_err(io(format!("writing {}", out.display())))?;
+    Ok(out)
+}
+
+/// The training curves of the run's resources (`resources.parquet`): a
+/// table per resource in `md` and a loss plot each.
+fn resource_curves(run_dir: &Path, md: &mut String) -> Result<Vec<PathBuf>> {
+    let path = run_dir.join("resources.parquet");
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let rows: Vec<crate::records::ResourceRow> =
+        crate::records::columns::rows(&crate::records::read_parquet(&path)?)?;
+    let mut by: BTreeMap<String, BTreeMap<i64, BTreeMap<String, f64>>> = BTreeMap::new();
+    for r in &rows {
+        if let Some(e) = r.epoch {
+            by.entry(format!("{} ({}, {})", r.resource, r.kind, r.hash))
+                .or_default()
+                .entry(e)
+                .or_default()
+                .insert(r.metric.clone(), r.value);
+        }
+    }
+    let mut out = Vec::new();
+    if by.is_empty() {
+        return Ok(out);
+    }
+    let _ = writeln!(md, "\n## Trained resources\n");
+    let dir = run_dir.join("plots");
+    std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+    for (name, epochs) in &by {
+        let _ = writeln!(
+            md,
+            "`{name}`: epoch 0 is before any step; the kept epoch is marked.\n"
+        );
+        let _ = writeln!(
+            md,
+            "| epoch | training loss | slice loss | slice first-token accuracy | kept |"
+        );
+        let _ = writeln!(md, "|---|---|---|---|---|");
+        let get = |m: &BTreeMap<String, f64>, k: &str| {
+            m.get(k)
+                .map(|v| format!("{v:.3}"))
+                .unwrap_or_else(|| "–".into())
+        };
+        for (e, m) in epochs {
+            let _ = writeln!(
+                md,
+                "| {e} | {} | {} | {} | {} |",
+                get(m, "train_loss"),
+                get(m, "slice_loss"),
+                get(m, "slice_first_token_accuracy"),
+                if m.get("kept") == Some(&1.0) {
+                    "yes"
+                } else {
+                    ""
+                }
+            );
+        }
+        let _ = writeln!(md);
+        let series = ["train_loss", "slice_loss"]
+            .iter()
+            .map(|k| crate::measure::report::Series {
+                label: k.replace('_', " "),
+                points: epochs
+                    .iter()
+                    .filter_map(|(e, m)| m.get(*k).map(|v| (*e as f64, *v)))
+                    .collect(),
+            })
+            .collect::<Vec<_>>();
+        let stem: String = name
+            .split(' ')
+            .next()
+            .unwrap_or("resource")
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let p = dir.join(format!("curve_{stem}.png"));
+        register_font()?;
+        crate::measure::report::line_chart(
+            &p,
+            &format!("training curve of {stem}"),
+            "epoch",
+            "cross-entropy",
+            &series,
+            &[],
+        )
+        .map_err(|e| DriverError::Records(format!("drawing {}: {e}", p.display())))?;
+        out.push(p);
+    }
     Ok(out)
 }
 

@@ -671,6 +671,26 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         sample_rows(&cfg.run.name, &set),
         &dir.join("sample.parquet"),
     )?;
+    // What the resources report of their fitting (a bridge's training curve).
+    let mut resource_rows = Vec::new();
+    for (name, spec) in &plan.resources {
+        if let Some(v) = resources.get(name) {
+            for (epoch, metric, value) in spec.kind().report_rows(v) {
+                resource_rows.push(records::ResourceRow {
+                    run: cfg.run.name.clone(),
+                    resource: name.clone(),
+                    kind: spec.kind().kind().to_string(),
+                    hash: obtained[name].hash.clone(),
+                    epoch,
+                    metric,
+                    value,
+                });
+            }
+        }
+    }
+    if !resource_rows.is_empty() {
+        records::write_rows(resource_rows, &dir.join("resources.parquet"))?;
+    }
 
     let mine: Vec<usize> = (0..n_cells)
         .filter(|c| opts.shard.is_none_or(|(i, n)| c % n == i))

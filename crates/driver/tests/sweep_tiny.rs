@@ -1185,6 +1185,21 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
     assert!(curve[0]["train_loss"].is_null());
     assert!(curve[1]["train_loss"].as_f64().unwrap().is_finite());
     assert!(qb["summary"]["best_epoch"].as_u64().unwrap() <= 2);
+    // The curve as Parquet, one kept epoch.
+    let (rnames, rrows) = rows(&out.join("resources.parquet"));
+    let metric = col(&rnames, &rrows, "metric");
+    let value = col(&rnames, &rrows, "value");
+    let kept: Vec<usize> = (0..metric.len())
+        .filter(|&i| metric[i] == "kept" && value[i].parse::<f64>().unwrap() == 1.0)
+        .collect();
+    assert_eq!(kept.len(), 1);
+    assert_eq!(
+        metric
+            .iter()
+            .filter(|m| *m == "slice_first_token_accuracy")
+            .count(),
+        3
+    );
     // The zero-init arm equals the raw arm bit for bit on every item.
     let (names, rows) = rows(&out.join("items/cell-00000.parquet"));
     let arm = col(&names, &rows, "arm");
@@ -1198,6 +1213,13 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
             assert!(res[i].contains("qb="), "{}", res[i]);
         }
     }
+    // The report shows the curve.
+    let report = std::fs::read_to_string(tolerable_driver::report::write(&out).unwrap()).unwrap();
+    assert!(
+        report.contains("## Trained resources") && report.contains("| yes |"),
+        "{report}"
+    );
+    assert!(out.join("plots/curve_qb.png").exists());
     // A second run loads it from the cache.
     sweep::run(&cfg, &opts("b")).unwrap();
     let meta: serde_json::Value =

@@ -435,11 +435,11 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
 }
 
 /// A line of a chart.
-pub(super) struct Series {
+pub(crate) struct Series {
     /// Legend text.
-    pub(super) label: String,
+    pub(crate) label: String,
     /// (x, y) points.
-    pub(super) points: Vec<(f64, f64)>,
+    pub(crate) points: Vec<(f64, f64)>,
 }
 
 fn plots(
@@ -572,7 +572,7 @@ fn plots(
     Ok(out)
 }
 
-pub(super) fn line_chart(
+pub(crate) fn line_chart(
     path: &Path,
     title: &str,
     x_desc: &str,

@@ -12,6 +12,7 @@
 pub mod columns;
 pub mod compare;
 pub mod measure;
+pub mod resource;
 pub mod summary;
 
 use crate::config::PlannedArm;
@@ -22,6 +23,7 @@ use polars::prelude::*;
 use std::path::{Path, PathBuf};
 
 pub use measure::MeasureRow;
+pub use resource::ResourceRow;
 pub use summary::{summarize, SummaryRow};
 
 record! {

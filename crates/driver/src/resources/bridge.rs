@@ -663,6 +663,27 @@ impl ResourceKind for BridgeSpec {
         (self.train_items + self.slice_items) * 2 * 250 + self.train_items * self.epochs * 60
     }
 
+    fn report_rows(&self, value: &Value) -> Vec<(Option<i64>, String, f64)> {
+        let Ok(v) = super::bank::downcast::<BridgeValue>(value, "bridge") else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for r in &v.curve {
+            let e = Some(r[0] as i64);
+            if r[1].is_finite() {
+                out.push((e, "train_loss".to_string(), r[1]));
+            }
+            out.push((e, "slice_loss".to_string(), r[2]));
+            out.push((e, "slice_first_token_accuracy".to_string(), r[3]));
+            out.push((
+                e,
+                "kept".to_string(),
+                (r[0] as usize == v.best_epoch) as u8 as f64,
+            ));
+        }
+        out
+    }
+
     fn summary(&self, value: &Value) -> serde_json::Value {
         match super::bank::downcast::<BridgeValue>(value, "bridge") {
             Ok(v) => serde_json::json!({

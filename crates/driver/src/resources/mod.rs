@@ -149,6 +149,12 @@ pub trait ResourceKind {
     fn summary(&self, _value: &Value) -> serde_json::Value {
         serde_json::Value::Null
     }
+    /// Values it reports about its fitting, as (epoch, metric, value), for
+    /// the run's `resources.parquet` (a bridge's training curve); none for
+    /// most kinds.
+    fn report_rows(&self, _value: &Value) -> Vec<(Option<i64>, String, f64)> {
+        Vec::new()
+    }
 }
 
 /// What a resource's value depends on besides its spec.
