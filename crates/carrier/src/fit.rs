@@ -160,6 +160,7 @@ pub struct NormalEquations {
     sy: DMatrix<f64>,
     xtx: DMatrix<f64>,
     xty: DMatrix<f64>,
+    yty: f64,
 }
 
 fn shifted(t: &Tensor, shift: &[f32]) -> Result<Tensor> {
@@ -189,6 +190,7 @@ impl NormalEquations {
             sy: DMatrix::zeros(1, d_out),
             xtx: DMatrix::zeros(d_in, d_in),
             xty: DMatrix::zeros(d_in, d_out),
+            yty: 0.0,
         }
     }
 
@@ -231,8 +233,37 @@ impl NormalEquations {
         let xt = xs.t()?.contiguous()?;
         add_to(&mut self.xtx, &xt.matmul(&xs)?)?;
         add_to(&mut self.xty, &xt.matmul(&ys)?)?;
+        self.yty += ys.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
         self.n += n;
         Ok(())
+    }
+
+    /// The share of the targets' variance about their mean that `map`
+    /// explains on the rows added (R², `1 − SSE/SST`; 1 is exact, 0 no
+    /// better than the mean, negative worse).
+    pub fn explained(&self, map: &AffineMap) -> Result<f64> {
+        if self.n == 0 {
+            return bad("no training rows");
+        }
+        let n = self.n as f64;
+        let xm = &self.sx / n;
+        let ym = &self.sy / n;
+        let gram = &self.xtx - xm.transpose() * &xm * n;
+        let cross = &self.xty - xm.transpose() * &ym * n;
+        let sst = self.yty - (ym.norm_squared() * n);
+        let w = to_matrix(&map.weight)?;
+        // The map's residuals about the means: (y − ȳ) − (x − x̄) W, plus the
+        // offset of its bias from the least-squares one (b − (ȳ − x̄ W)).
+        let to_row =
+            |v: &[f32]| DMatrix::from_row_iterator(1, v.len(), v.iter().map(|&x| x as f64));
+        let xbar = &xm + to_row(&self.shift_x);
+        let ybar = &ym + to_row(&self.shift_y);
+        let b = to_matrix(&map.bias.unsqueeze(0)?)?;
+        let off = b - (ybar - xbar * &w);
+        let sse = sst - 2.0 * (w.transpose() * &cross).trace()
+            + (w.transpose() * &gram * &w).trace()
+            + off.norm_squared() * n;
+        Ok(if sst > 0.0 { 1.0 - sse / sst } else { 0.0 })
     }
 
     /// The affine map `y ≈ x W + b` on every row added: `W = (G + λI)⁻¹ C`
@@ -706,6 +737,11 @@ mod tests {
         let m = to_matrix(&r2.weight).unwrap();
         let sv = SVD::new(m, false, false).singular_values;
         assert!(sv[1] > 1e-3 && sv[2] < 1e-4, "{sv:?}");
+        // Nearly all variance explained at full rank, less at rank 2.
+        let full = ne.explained(&acc).unwrap();
+        assert!(full > 0.999, "{full}");
+        let part = ne.explained(&r2).unwrap();
+        assert!(part < full && part > 0.0, "{part}");
         // Rows of the wrong width are refused.
         assert!(ne.add(&y, &y).is_err());
         assert!(NormalEquations::new(2, 2).solve(0.0, None).is_err());
