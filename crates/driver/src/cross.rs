@@ -64,12 +64,21 @@ pub struct ForeignSpec {
     pub model: String,
     /// The projection resource.
     pub projection: String,
+    /// Which context the holder reads: the item's own full passage
+    /// (`None`), or the `r`-th mis-source partner's (the mismatch control
+    /// through the same holder and projection).
+    pub partner: Option<usize>,
 }
 
 impl ForeignSpec {
-    /// The key naming the projected holder's pass (`holder=<id>|projection=<name>`).
+    /// The key naming the projected holder's pass
+    /// (`holder=<id>|projection=<name>`, `|partner=<r>` for a partner's).
     pub fn key(&self) -> String {
-        format!("holder={}|projection={}", self.model, self.projection)
+        let own = format!("holder={}|projection={}", self.model, self.projection);
+        match self.partner {
+            Some(r) => format!("{own}|partner={r}"),
+            None => own,
+        }
     }
 }
 

@@ -227,9 +227,20 @@ pub fn item_passes_with(
     for (key, layers) in &needs.senders {
         let pass = match (senders.get(key), foreign) {
             (Some(sender), _) => partner_pass(sender, pair, layers)?,
-            (None, Some(f)) if f.specs.contains_key(key) => {
-                f.pass(key, &pair.alt_context(), &alt, layers)?
-            }
+            (None, Some(f)) if f.specs.contains_key(key) => match f.specs[key].partner {
+                None => f.pass(key, &pair.alt_context(), &alt, layers)?,
+                Some(r) => {
+                    let (p, own) = match (partners.get(r), ps.get(r)) {
+                        (Some(p), Some((own, _))) => (p, own),
+                        _ => {
+                            return Err(DriverError::Records(format!(
+                                "internal: mis-source partner {r} of `{key}` missing"
+                            )))
+                        }
+                    };
+                    f.pass(key, &p.alt_context(), own, layers)?
+                }
+            },
             _ => {
                 return Err(DriverError::Records(format!(
                     "internal: sender `{key}` was not built"

@@ -395,6 +395,7 @@ fn compile_arm(
             let spec = ForeignSpec {
                 model: m.to_string(),
                 projection: p.clone(),
+                partner: None,
             };
             let key = spec.key();
             foreign.insert(key.clone(), spec);
@@ -548,10 +549,29 @@ fn compile_arm(
             SourceSpec::Own => Arc::new(PassSource::own()),
             SourceSpec::Native => Arc::new(PassSource::native()),
             SourceSpec::Holder => match &sender {
-                Some(key) => Arc::new(SenderSource { key: key.clone() }),
+                Some(key) => Arc::new(SenderSource {
+                    key: key.clone(),
+                    partner: None,
+                }),
                 None => Arc::new(PassSource::holder()),
             },
-            SourceSpec::OtherItem => Arc::new(PassSource::other_item()),
+            // With a cross-family holder, another item's passage read by
+            // that holder through the same projection (the mismatch control).
+            SourceSpec::OtherItem => match sender.as_ref().and_then(|k| foreign.get(k)).cloned() {
+                Some(f) => {
+                    let partner = ForeignSpec {
+                        partner: Some(0),
+                        ..f
+                    };
+                    let key = partner.key();
+                    foreign.insert(key.clone(), partner);
+                    Arc::new(SenderSource {
+                        key,
+                        partner: Some(0),
+                    })
+                }
+                None => Arc::new(PassSource::other_item()),
+            },
             SourceSpec::Bank(b) => {
                 key_only("a key bank")?;
                 let size = match cfg.resources.get(&b.bank) {
@@ -769,7 +789,9 @@ fn compile_arm(
     // A cross-family holder's projection, when an injection reads the holder.
     if let (Some(key), true) = (
         &sender,
-        arm.inject.iter().any(|i| i.source == SourceSpec::Holder),
+        arm.inject
+            .iter()
+            .any(|i| matches!(i.source, SourceSpec::Holder | SourceSpec::OtherItem)),
     ) {
         if let Some(f) = foreign.get(key) {
             resources.push(f.projection.clone());

@@ -1203,6 +1203,16 @@ grid = {{ layers = [1, 2] }}
 name = "act_mismatch"
 inject = {{ carrier = "h", positions = "fact_region", source = "other_item" }}
 grid = {{ layers = [1, 2] }}
+
+[[arms]]
+name = "act_mismatch_cross"
+holder = {{ model = "{h}", projection = "cross" }}
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "other_item" }}
+
+[[arms]]
+name = "kv_augment_mismatch_cross"
+holder = {{ model = "{h}", projection = "cross" }}
+inject = {{ carrier = "kv", positions = "passage", source = "other_item", mechanism = "append" }}
 "#,
         m = model.display(),
         h = holder.display()
@@ -1280,6 +1290,7 @@ fn cross_family_holders_run_through_cached_projections_and_the_identity_reaches_
         "act_replace_cross_svd",
         "kv_augment_identity",
         "act_replace_identity@layers=2",
+        "act_mismatch_cross",
     ] {
         let rows = of(name);
         assert_eq!(rows.len(), 4, "{name}");
@@ -1301,6 +1312,22 @@ fn cross_family_holders_run_through_cached_projections_and_the_identity_reaches_
             assert!(f(i) > 0.999, "{ident}: fidelity {}", f(i));
             assert_eq!(cont[i], cont[j], "{ident} against {reference}");
         }
+    }
+    // Appended from another item's passage through the projection.
+    let m = of("kv_augment_mismatch_cross");
+    assert_eq!(m.len(), 4);
+    assert!(
+        m.iter().all(|&i| res[i].contains("cross=")),
+        "{}",
+        res[m[0]]
+    );
+    // The mismatch control through the cross holder reads another item's
+    // passage: its injected states are further from the native ones.
+    for (&i, &j) in of("act_mismatch_cross")
+        .iter()
+        .zip(&of("act_replace_cross@layers=1"))
+    {
+        assert!(f(i) < f(j), "mismatch {} against {}", f(i), f(j));
     }
     // The foreign holder's projected states are not the native ones.
     let mean = |name: &str| of(name).iter().map(|&i| f(i)).sum::<f64>() / 4.0;
