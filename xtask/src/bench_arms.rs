@@ -209,10 +209,12 @@ pub fn bank(
             data: &data,
             eval: &eval,
             field: "[resources.bank]".into(),
+            receiver: ck.model.config(),
         },
         model: &ck.model,
         senders: &BTreeMap::new(),
         deps: &deps,
+        holders: &BTreeMap::new(),
     };
     let t = Instant::now();
     let train = spec.training_items(&cx.train)?;

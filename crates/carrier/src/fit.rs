@@ -142,6 +142,174 @@ pub fn least_squares(x: &Tensor, y: &Tensor, ridge: f64) -> Result<AffineMap> {
     })
 }
 
+/// The least-squares normal equations of an affine map, accumulated batch
+/// by batch (rows of many passages need not be held at once): shifted sums
+/// `Σ(x−c)`, `Σ(y−d)`, `Σ(x−c)(x−c)ᵀ` and `Σ(x−c)(y−d)ᵀ` in f64, with the
+/// shifts `c`, `d` the first batch's column means (so the large common
+/// offsets of residual streams do not cost precision). Products of one
+/// batch are formed in f32 and summed in f64. [`NormalEquations::solve`]
+/// gives the map [`least_squares`] would fit on the rows at once (ridge
+/// relative to the input's scale, bias unpenalised), optionally truncated
+/// to a rank.
+#[derive(Debug, Clone)]
+pub struct NormalEquations {
+    n: usize,
+    shift_x: Vec<f32>,
+    shift_y: Vec<f32>,
+    sx: DMatrix<f64>,
+    sy: DMatrix<f64>,
+    xtx: DMatrix<f64>,
+    xty: DMatrix<f64>,
+    yty: f64,
+}
+
+fn shifted(t: &Tensor, shift: &[f32]) -> Result<Tensor> {
+    let s = Tensor::from_vec(shift.to_vec(), shift.len(), t.device())?;
+    Ok(t.to_dtype(DType::F32)?.broadcast_sub(&s)?.contiguous()?)
+}
+
+fn add_to(acc: &mut DMatrix<f64>, t: &Tensor) -> Result<()> {
+    let (r, c) = t.dims2()?;
+    let v: Vec<f32> = t.flatten_all()?.to_vec1()?;
+    for i in 0..r {
+        for j in 0..c {
+            acc[(i, j)] += v[i * c + j] as f64;
+        }
+    }
+    Ok(())
+}
+
+impl NormalEquations {
+    /// Empty equations of a map from `d_in` to `d_out` coordinates.
+    pub fn new(d_in: usize, d_out: usize) -> Self {
+        Self {
+            n: 0,
+            shift_x: Vec::new(),
+            shift_y: Vec::new(),
+            sx: DMatrix::zeros(1, d_in),
+            sy: DMatrix::zeros(1, d_out),
+            xtx: DMatrix::zeros(d_in, d_in),
+            xty: DMatrix::zeros(d_in, d_out),
+            yty: 0.0,
+        }
+    }
+
+    /// Rows accumulated so far.
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    /// Input width.
+    pub fn d_in(&self) -> usize {
+        self.xtx.nrows()
+    }
+
+    /// Output width.
+    pub fn d_out(&self) -> usize {
+        self.xty.ncols()
+    }
+
+    /// Adds rows `x` `[n, d_in]` and their targets `y` `[n, d_out]`.
+    pub fn add(&mut self, x: &Tensor, y: &Tensor) -> Result<()> {
+        let (n, dx, dy) = check_rows(x, y)?;
+        if dx != self.d_in() || dy != self.d_out() {
+            return bad(format!(
+                "rows of {dx} -> {dy} coordinates added to equations of {} -> {}",
+                self.d_in(),
+                self.d_out()
+            ));
+        }
+        if self.n == 0 {
+            let mean = |t: &Tensor| -> Result<Vec<f32>> {
+                Ok(t.to_dtype(DType::F32)?.mean(0)?.to_vec1()?)
+            };
+            self.shift_x = mean(x)?;
+            self.shift_y = mean(y)?;
+        }
+        let xs = shifted(x, &self.shift_x)?;
+        let ys = shifted(y, &self.shift_y)?;
+        add_to(&mut self.sx, &xs.sum_keepdim(0)?)?;
+        add_to(&mut self.sy, &ys.sum_keepdim(0)?)?;
+        let xt = xs.t()?.contiguous()?;
+        add_to(&mut self.xtx, &xt.matmul(&xs)?)?;
+        add_to(&mut self.xty, &xt.matmul(&ys)?)?;
+        self.yty += ys.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        self.n += n;
+        Ok(())
+    }
+
+    /// The share of the targets' variance about their mean that `map`
+    /// explains on the rows added (R², `1 − SSE/SST`; 1 is exact, 0 no
+    /// better than the mean, negative worse).
+    pub fn explained(&self, map: &AffineMap) -> Result<f64> {
+        if self.n == 0 {
+            return bad("no training rows");
+        }
+        let n = self.n as f64;
+        let xm = &self.sx / n;
+        let ym = &self.sy / n;
+        let gram = &self.xtx - xm.transpose() * &xm * n;
+        let cross = &self.xty - xm.transpose() * &ym * n;
+        let sst = self.yty - (ym.norm_squared() * n);
+        let w = to_matrix(&map.weight)?;
+        // The map's residuals about the means: (y − ȳ) − (x − x̄) W, plus the
+        // offset of its bias from the least-squares one (b − (ȳ − x̄ W)).
+        let to_row =
+            |v: &[f32]| DMatrix::from_row_iterator(1, v.len(), v.iter().map(|&x| x as f64));
+        let xbar = &xm + to_row(&self.shift_x);
+        let ybar = &ym + to_row(&self.shift_y);
+        let b = to_matrix(&map.bias.unsqueeze(0)?)?;
+        let off = b - (ybar - xbar * &w);
+        let sse = sst - 2.0 * (w.transpose() * &cross).trace()
+            + (w.transpose() * &gram * &w).trace()
+            + off.norm_squared() * n;
+        Ok(if sst > 0.0 { 1.0 - sse / sst } else { 0.0 })
+    }
+
+    /// The affine map `y ≈ x W + b` on every row added: `W = (G + λI)⁻¹ C`
+    /// with `G`, `C` the centered Gram and cross products, `λ = ridge ·
+    /// tr(G) / d_in`, `b = ȳ − x̄ W`. With `rank`, `W` is replaced by its
+    /// truncated SVD (the `rank` largest singular values kept; a rank at or
+    /// above `min(d_in, d_out)` keeps all).
+    pub fn solve(&self, ridge: f64, rank: Option<usize>) -> Result<AffineMap> {
+        if self.n == 0 {
+            return bad("no training rows");
+        }
+        if !(ridge >= 0.0 && ridge.is_finite()) {
+            return bad(format!("ridge {ridge} is not a finite non-negative number"));
+        }
+        let n = self.n as f64;
+        let xm = &self.sx / n; // shifted means
+        let ym = &self.sy / n;
+        let gram = &self.xtx - xm.transpose() * &xm * n;
+        let cross = &self.xty - xm.transpose() * &ym * n;
+        let lambda = penalty(&gram, ridge);
+        let mut w = solve_normal(gram, &cross, lambda)?;
+        if let Some(r) = rank.filter(|&r| r < w.nrows().min(w.ncols())) {
+            let svd = SVD::new(w.clone(), true, true);
+            let (u, vt) = match (svd.u, svd.v_t) {
+                (Some(u), Some(vt)) => (u, vt),
+                _ => return bad("the SVD of the map did not converge"),
+            };
+            // nalgebra sorts singular values in descending order.
+            let mut sr = DMatrix::<f64>::zeros(r, r);
+            for i in 0..r {
+                sr[(i, i)] = svd.singular_values[i];
+            }
+            w = u.columns(0, r) * sr * vt.rows(0, r);
+        }
+        let to_row =
+            |v: &[f32]| DMatrix::from_row_iterator(1, v.len(), v.iter().map(|&x| x as f64));
+        let xbar = xm + to_row(&self.shift_x);
+        let ybar = ym + to_row(&self.shift_y);
+        let b = ybar - xbar * &w;
+        Ok(AffineMap {
+            weight: to_tensor(&w, &Device::Cpu)?,
+            bias: to_tensor(&b, &Device::Cpu)?.squeeze(0)?,
+        })
+    }
+}
+
 /// The subspace a head's key projection writes to, for
 /// [`least_squares_in_subspace`]: `U_r`, `[head_dim, r]` with orthonormal
 /// columns, the left singular vectors of the head's `W_k` (`[head_dim,
@@ -540,6 +708,43 @@ mod tests {
         assert!(norm(&shrunk.weight) < norm(&fit.weight));
         assert!(least_squares(&x, &y, -1.0).is_err());
         assert!(least_squares(&x, &y.narrow(0, 0, 10).unwrap(), 0.0).is_err());
+    }
+
+    #[test]
+    fn normal_equations_in_batches_fit_what_least_squares_fits_at_once() {
+        let (n, din, dout) = (300, 6, 4);
+        // A large common offset, as residual streams have.
+        let x = (gaussian(n, din, 11) + 100.0).unwrap();
+        let w = gaussian(din, dout, 12);
+        let b = gaussian(1, dout, 13).squeeze(0).unwrap();
+        let noise = (gaussian(n, dout, 14) * 0.01).unwrap();
+        let y = (x.matmul(&w).unwrap().broadcast_add(&b).unwrap() + noise).unwrap();
+        let once = least_squares(&x, &y, 1e-3).unwrap();
+        let mut ne = NormalEquations::new(din, dout);
+        for (lo, len) in [(0, 100), (100, 150), (250, 50)] {
+            ne.add(
+                &x.narrow(0, lo, len).unwrap(),
+                &y.narrow(0, lo, len).unwrap(),
+            )
+            .unwrap();
+        }
+        assert_eq!(ne.rows(), n);
+        let acc = ne.solve(1e-3, None).unwrap();
+        assert!(max_abs(&acc.weight, &once.weight) < 1e-3);
+        assert!(max_abs(&acc.apply(&x).unwrap(), &once.apply(&x).unwrap()) < 1e-2);
+        // Truncation to rank r leaves a map of rank r.
+        let r2 = ne.solve(1e-3, Some(2)).unwrap();
+        let m = to_matrix(&r2.weight).unwrap();
+        let sv = SVD::new(m, false, false).singular_values;
+        assert!(sv[1] > 1e-3 && sv[2] < 1e-4, "{sv:?}");
+        // Nearly all variance explained at full rank, less at rank 2.
+        let full = ne.explained(&acc).unwrap();
+        assert!(full > 0.999, "{full}");
+        let part = ne.explained(&r2).unwrap();
+        assert!(part < full && part > 0.0, "{part}");
+        // Rows of the wrong width are refused.
+        assert!(ne.add(&y, &y).is_err());
+        assert!(NormalEquations::new(2, 2).solve(0.0, None).is_err());
     }
 
     #[test]

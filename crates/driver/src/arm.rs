@@ -220,31 +220,6 @@ fn replace() -> Mechanism {
     Mechanism::Replace
 }
 
-/// A frozen linear map between two models' carrier spaces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ProjectionKind {
-    /// Truncated SVD of the least-squares map.
-    Svd,
-    /// Ordinary least squares.
-    Lstsq,
-}
-
-/// The projection a sender of another geometry goes through.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Projection {
-    /// The fit.
-    pub kind: ProjectionKind,
-    /// Items it is fitted on (40 by default).
-    #[serde(default = "forty")]
-    pub fit_items: usize,
-}
-
-fn forty() -> usize {
-    40
-}
-
 /// A holder other than the receiver's own weights.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -260,9 +235,13 @@ pub struct Holder {
     /// re-quantization reaches).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_cosine: Option<f64>,
-    /// The projection a sender of another cache shape goes through.
+    /// A cross-family holder: the `[resources.<name>] kind =
+    /// "cross_projection"` that maps the states of `model` (reading the
+    /// passage with its own tokenizer) into the receiver's space. Required
+    /// for a model of another cache shape; with the receiver's own id as
+    /// `model`, the identity sanity arm.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub projection: Option<Projection>,
+    pub projection: Option<String>,
 }
 
 /// Which projections a bridge adapts.

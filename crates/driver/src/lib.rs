@@ -13,6 +13,7 @@
 
 pub mod arm;
 pub mod config;
+pub mod cross;
 pub mod error;
 pub mod exec;
 pub mod gates;

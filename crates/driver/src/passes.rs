@@ -195,6 +195,20 @@ pub fn item_passes(
     needs: &PassNeeds,
     senders: &BTreeMap<String, Model>,
 ) -> Result<ItemPasses> {
+    item_passes_with(model, pair, partners, needs, senders, None)
+}
+
+/// As [`item_passes`], with the plan's cross-family holders: a sender key
+/// that is no held-out sender is a cross-family holder, whose pass is its
+/// projected reading of the alternative context ([`crate::cross`]).
+pub fn item_passes_with(
+    model: &Model,
+    pair: &ContextPair,
+    partners: &[&ContextPair],
+    needs: &PassNeeds,
+    senders: &BTreeMap<String, Model>,
+    foreign: Option<&crate::cross::ForeignCx>,
+) -> Result<ItemPasses> {
     let (base, alt) = context_passes(model, pair, needs)?;
     if partners.len() < needs.partners {
         return Err(DriverError::Config(format!(
@@ -211,10 +225,29 @@ pub fn item_passes(
     let queries = question_queries(model, pair, &alt, &needs.queries)?;
     let mut sender_passes = BTreeMap::new();
     for (key, layers) in &needs.senders {
-        let sender = senders.get(key).ok_or_else(|| {
-            DriverError::Records(format!("internal: sender `{key}` was not built"))
-        })?;
-        sender_passes.insert(key.clone(), partner_pass(sender, pair, layers)?);
+        let pass = match (senders.get(key), foreign) {
+            (Some(sender), _) => partner_pass(sender, pair, layers)?,
+            (None, Some(f)) if f.specs.contains_key(key) => match f.specs[key].partner {
+                None => f.pass(key, &pair.alt_context(), &alt, layers)?,
+                Some(r) => {
+                    let (p, own) = match (partners.get(r), ps.get(r)) {
+                        (Some(p), Some((own, _))) => (p, own),
+                        _ => {
+                            return Err(DriverError::Records(format!(
+                                "internal: mis-source partner {r} of `{key}` missing"
+                            )))
+                        }
+                    };
+                    f.pass(key, &p.alt_context(), own, layers)?
+                }
+            },
+            _ => {
+                return Err(DriverError::Records(format!(
+                    "internal: sender `{key}` was not built"
+                )))
+            }
+        };
+        sender_passes.insert(key.clone(), pass);
     }
     Ok(ItemPasses {
         base,

@@ -7,6 +7,7 @@
 
 use crate::arm::{Arm, Base, Expect, Source as SourceSpec};
 use crate::config::{PlannedArm, SweepConfig};
+use crate::cross::ForeignSpec;
 use crate::error::{DriverError, Result};
 use crate::passes::PassNeeds;
 use crate::resources::{build_order, ResourceSpec};
@@ -94,6 +95,9 @@ pub struct Plan {
     pub native: usize,
     /// Held-out senders the arms read, by key.
     pub senders: BTreeMap<String, SenderSpec>,
+    /// Cross-family holders the arms read (a model through a projection),
+    /// by the key of their projected pass.
+    pub foreign: BTreeMap<String, ForeignSpec>,
 }
 
 fn bad(arm: &Arm, field: String, reason: impl Into<String>) -> DriverError {
@@ -131,6 +135,7 @@ pub fn compile(
         }
     }
     let mut senders = BTreeMap::new();
+    let mut foreign = BTreeMap::new();
     for (a, pa) in cfg.arms.iter().enumerate() {
         programs.push(compile_arm(
             a,
@@ -142,6 +147,7 @@ pub fn compile(
             &depth,
             &mut needs,
             &mut senders,
+            &mut foreign,
         )?);
     }
     // Controls resolve at each arm's grid point once every arm applies.
@@ -192,6 +198,7 @@ pub fn compile(
         floor: cfg.anchor(Base::Masked),
         native: cfg.anchor(Base::Full),
         senders,
+        foreign,
     })
 }
 
@@ -291,6 +298,7 @@ fn compile_arm(
     depth: &BTreeMap<String, usize>,
     needs: &mut PassNeeds,
     senders: &mut BTreeMap<String, SenderSpec>,
+    foreign: &mut BTreeMap<String, ForeignSpec>,
 ) -> Result<ArmProgram> {
     let arm = &pa.arm;
     let prefix = match pa.index {
@@ -379,19 +387,65 @@ fn compile_arm(
             senders.insert(key.clone(), spec);
             sender = Some(key);
         }
-        if let Some(m) = h.model.as_deref().filter(|m| *m != receiver_id) {
+        if let Some(p) = &h.projection {
+            // A cross-family holder: `model` reads the passage with its own
+            // tokenizer; its states reach the receiver through the projection.
+            let Some(m) = h.model.as_deref() else {
+                return Err(bad(
+                    arm,
+                    format!("{prefix}.holder.model"),
+                    "a projection maps a holder model's states: name the model (`model = \"smollm2-135m-instruct\"`, or the receiver's own id for the identity sanity arm)",
+                ));
+            };
+            let fitted_on = match cfg.resources.get(p) {
+                Some(ResourceSpec::CrossProjection(c)) => &c.holder,
+                Some(_) => {
+                    return Err(bad(
+                        arm,
+                        format!("{prefix}.holder.projection"),
+                        format!("`{p}` is not a cross-family projection (`kind = \"cross_projection\"`)"),
+                    ))
+                }
+                None => {
+                    return Err(bad(
+                        arm,
+                        format!("{prefix}.holder.projection"),
+                        format!("no `[resources.{p}]` is declared; declare a cross-family projection of that name"),
+                    ))
+                }
+            };
+            if fitted_on != m {
+                return Err(bad(
+                    arm,
+                    format!("{prefix}.holder.model"),
+                    format!("the projection `{p}` is fitted on holder `{fitted_on}`, the arm's holder is `{m}`"),
+                ));
+            }
+            if m != receiver_id {
+                holder_config(m)
+                    .map_err(|e| bad(arm, format!("{prefix}.holder.model"), e.to_string()))?;
+            }
+            let spec = ForeignSpec {
+                model: m.to_string(),
+                projection: p.clone(),
+                partner: None,
+            };
+            let key = spec.key();
+            foreign.insert(key.clone(), spec);
+            sender = Some(key);
+        } else if let Some(m) = h.model.as_deref().filter(|m| *m != receiver_id) {
             let sc = holder_config(m)
                 .map_err(|e| bad(arm, format!("{prefix}.holder.model"), e.to_string()))?;
             let same = sc.n_layers == model.n_layers
                 && sc.n_kv_heads == model.n_kv_heads
                 && sc.head_dim == model.head_dim
                 && sc.d_model == model.d_model;
-            if !same && h.projection.is_none() {
+            if !same {
                 return Err(bad(
                     arm,
                     format!("{prefix}.holder.projection"),
                     format!(
-                        "sender `{m}` has cache shape {} layers x {} kv heads x {} head_dim (width {}), the receiver {} x {} x {} (width {}); a sender of another shape needs an explicit projection",
+                        "sender `{m}` has cache shape {} layers x {} kv heads x {} head_dim (width {}), the receiver {} x {} x {} (width {}); a sender of another shape needs an explicit projection (`projection = \"<name>\"`, a `[resources.<name>] kind = \"cross_projection\"`)",
                         sc.n_layers, sc.n_kv_heads, sc.head_dim, sc.d_model,
                         model.n_layers, model.n_kv_heads, model.head_dim, model.d_model
                     ),
@@ -400,14 +454,7 @@ fn compile_arm(
             return Err(bad(
                 arm,
                 format!("{prefix}.holder.model"),
-                "senders with other weights are part of the grammar but no sender source is built yet; the holder is the receiver's own weights",
-            ));
-        }
-        if h.projection.is_some() {
-            return Err(bad(
-                arm,
-                format!("{prefix}.holder.projection"),
-                "a projection needs a sender of another model",
+                "a sender of the receiver's shape with other weights and another file is not built yet; read it through a projection (`projection = \"<name>\"`), or build a held-out sender (`requantize`, `weight_cosine`)",
             ));
         }
     }
@@ -535,10 +582,29 @@ fn compile_arm(
             SourceSpec::Own => Arc::new(PassSource::own()),
             SourceSpec::Native => Arc::new(PassSource::native()),
             SourceSpec::Holder => match &sender {
-                Some(key) => Arc::new(SenderSource { key: key.clone() }),
+                Some(key) => Arc::new(SenderSource {
+                    key: key.clone(),
+                    partner: None,
+                }),
                 None => Arc::new(PassSource::holder()),
             },
-            SourceSpec::OtherItem => Arc::new(PassSource::other_item()),
+            // With a cross-family holder, another item's passage read by
+            // that holder through the same projection (the mismatch control).
+            SourceSpec::OtherItem => match sender.as_ref().and_then(|k| foreign.get(k)).cloned() {
+                Some(f) => {
+                    let partner = ForeignSpec {
+                        partner: Some(0),
+                        ..f
+                    };
+                    let key = partner.key();
+                    foreign.insert(key.clone(), partner);
+                    Arc::new(SenderSource {
+                        key,
+                        partner: Some(0),
+                    })
+                }
+                None => Arc::new(PassSource::other_item()),
+            },
             SourceSpec::Bank(b) => {
                 key_only("a key bank")?;
                 let size = match cfg.resources.get(&b.bank) {
@@ -755,6 +821,17 @@ fn compile_arm(
         .collect();
     if let Some(b) = &arm.bridge {
         resources.push(b.resource.clone());
+    }
+    // A cross-family holder's projection, when an injection reads the holder.
+    if let (Some(key), true) = (
+        &sender,
+        arm.inject
+            .iter()
+            .any(|i| matches!(i.source, SourceSpec::Holder | SourceSpec::OtherItem)),
+    ) {
+        if let Some(f) = foreign.get(key) {
+            resources.push(f.projection.clone());
+        }
     }
     resources.sort();
     resources.dedup();

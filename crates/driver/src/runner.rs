@@ -5,9 +5,10 @@
 //! one batch. Per-item bit-exact gates are checked here.
 
 use crate::arm::Expect;
+use crate::cross::{CrossHolder, ForeignCx};
 use crate::error::Result;
 use crate::exec::{prepare, ItemCx, Measures, Prepared};
-use crate::passes::item_passes;
+use crate::passes::item_passes_with;
 use crate::plan::Plan;
 use crate::resources::BridgeValue;
 use crate::resources::Value;
@@ -17,7 +18,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 use tolerable_probe::ContextPair;
 use tolerable_runtime::gates::bit_equal;
-use tolerable_runtime::{GreedyOptions, HookSpec, KvCache, Model};
+use tolerable_runtime::{GreedyOptions, HookSpec, KvCache, Model, Tokenizer};
 
 /// What one arm produced on one item.
 #[derive(Debug, Clone)]
@@ -61,6 +62,7 @@ pub struct Runner<'a> {
     plan: &'a Plan,
     resources: &'a BTreeMap<String, Value>,
     senders: Option<&'a BTreeMap<String, Model>>,
+    cross: Option<(&'a Tokenizer, &'a BTreeMap<String, CrossHolder>)>,
     greedy: GreedyOptions,
     seed: u64,
     batching: Batching,
@@ -81,6 +83,7 @@ impl<'a> Runner<'a> {
             plan,
             resources,
             senders: None,
+            cross: None,
             greedy: GreedyOptions::tokens(new_tokens),
             seed,
             batching: Batching::Batched,
@@ -90,6 +93,17 @@ impl<'a> Runner<'a> {
     /// The held-out senders the plan reads, by key.
     pub fn with_senders(mut self, senders: &'a BTreeMap<String, Model>) -> Self {
         self.senders = Some(senders);
+        self
+    }
+
+    /// The cross-family holders the plan reads, by model id, and the
+    /// receiver's tokenizer (they read the text its ids spell).
+    pub fn with_cross_holders(
+        mut self,
+        tokenizer: &'a Tokenizer,
+        holders: &'a BTreeMap<String, CrossHolder>,
+    ) -> Self {
+        self.cross = Some((tokenizer, holders));
         self
     }
 
@@ -121,12 +135,19 @@ impl<'a> Runner<'a> {
         let mut timing = ItemTiming::default();
         let t_passes = Instant::now();
         let none = BTreeMap::new();
-        let passes = item_passes(
+        let foreign = self.cross.map(|(tokenizer, holders)| ForeignCx {
+            tokenizer,
+            holders,
+            specs: &self.plan.foreign,
+            resources: self.resources,
+        });
+        let passes = item_passes_with(
             self.model,
             pair,
             partners,
             &self.plan.needs,
             self.senders.unwrap_or(&none),
+            foreign.as_ref(),
         )?;
         timing.passes_s = t_passes.elapsed().as_secs_f64();
         let memo = Memo::default();

@@ -304,11 +304,15 @@ impl Source for PoolSource {
 }
 
 /// A held-out sender's state (PROTOCOL §6): the sender, a model of the
-/// receiver's geometry with other weights, reading the full passage.
+/// receiver's geometry with other weights, reading the full passage; or a
+/// cross-family holder's, projected into the receiver's geometry (reading
+/// the item's passage, or a mis-source partner's: the mismatch control).
 #[derive(Debug, Clone)]
 pub struct SenderSource {
-    /// The sender's key (`requantize=Q4_0`).
+    /// The sender's key (`requantize=Q4_0`, `holder=<id>|projection=<name>`).
     pub key: String,
+    /// The mis-source partner whose passage it reads, if not the item's.
+    pub partner: Option<usize>,
 }
 
 impl Source for SenderSource {
@@ -317,6 +321,9 @@ impl Source for SenderSource {
     }
 
     fn needs(&self, _base: Base, carrier: Carrier, layers: &[usize], needs: &mut PassNeeds) {
+        if let Some(r) = self.partner {
+            needs.partners = needs.partners.max(r + 1);
+        }
         let set = needs.senders.entry(self.key.clone()).or_default();
         if carrier == Carrier::H {
             set.extend(layers.iter().copied());
@@ -345,6 +352,17 @@ impl Source for SenderSource {
         } else {
             CarrierValue::Kv(pass.cache.clone())
         };
-        Ok((value, passes.geometry.clone()))
+        let geometry = match self.partner {
+            Some(r) => passes
+                .partners
+                .get(r)
+                .ok_or_else(|| {
+                    DriverError::Records(format!("internal: mis-source partner {r} missing"))
+                })?
+                .1
+                .clone(),
+            None => passes.geometry.clone(),
+        };
+        Ok((value, geometry))
     }
 }

@@ -6,12 +6,13 @@
 //! and shards of one sweep merge into one folder.
 
 use crate::config::SweepConfig;
+use crate::cross::CrossHolder;
 use crate::error::{io, DriverError, Result};
 use crate::items::ItemSet;
 use crate::plan::{compile, Plan};
 use crate::records::{self, ArmColumns, ItemRow, SampleRow};
 use crate::resources::store::{Meta, Obtained, Store};
-use crate::resources::{hash_all, BuildCx, EvalSet, TrainCx, Value};
+use crate::resources::{hash_all, BuildCx, EvalSet, ResourceSpec, TrainCx, Value};
 use crate::runner::{Batching, Runner};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
@@ -281,20 +282,26 @@ pub fn model_key(sha256: Option<&str>, path: &Path) -> String {
 
 /// Builds (or loads from the cache) every resource of `resources` (a
 /// plan's, in build order), in order; `senders` are the plan's held-out
-/// senders, built and gated.
+/// senders, built and gated; `holders` its cross-family holders, loaded.
+#[allow(clippy::too_many_arguments)]
 pub fn obtain_resources(
     resources: &[(String, crate::resources::ResourceSpec)],
     ck: &Checkpoint,
     precision: &str,
     train: &TrainCx,
     senders: &BTreeMap<String, tolerable_runtime::Model>,
+    holders: &BTreeMap<String, CrossHolder>,
     store: &Store,
 ) -> Result<(BTreeMap<String, Value>, BTreeMap<String, ObtainedResource>)> {
     let model_sha = model_key(ck.sha256.as_deref(), &ck.path);
     let cfg = ck.model.config();
     let mut values: BTreeMap<String, Value> = BTreeMap::new();
     let mut info: BTreeMap<String, ObtainedResource> = BTreeMap::new();
-    for r in hash_all(resources, train, &model_sha, precision)? {
+    let holder_sha: BTreeMap<String, String> = holders
+        .iter()
+        .map(|(id, h)| (id.clone(), h.sha256.clone()))
+        .collect();
+    for r in hash_all(resources, train, &model_sha, precision, &holder_sha)? {
         let (name, spec, hash) = (&r.name, &r.spec, &r.hash);
         let kind = spec.kind();
         let ids: Vec<String> = r.items.iter().map(|i| i.item.id.clone()).collect();
@@ -328,6 +335,7 @@ pub fn obtain_resources(
                     model: &ck.model,
                     senders,
                     deps: &values,
+                    holders,
                 };
                 let t0 = Instant::now();
                 let v = kind.build(&cx, &r.items)?;
@@ -399,15 +407,50 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
         data: &opts.data,
         eval: &eval,
         field: String::new(),
+        receiver: &mcfg,
     };
     let sha = if path.is_dir() {
         Some(model_key(None, &path))
     } else {
         tolerable_fetch::provenance::recorded_sha256(&path)?
     };
-    match &sha {
+    // A holder's sha256 as remembered beside its file (the receiver's own
+    // id is the receiver's).
+    let mut holder_sha = BTreeMap::new();
+    for id in holder_ids(&plan.resources) {
+        let known = if id == cfg.run.model {
+            sha.clone()
+        } else {
+            let p = tolerable_fetch::resolve(&id)?.path;
+            if p.is_dir() {
+                Some(model_key(None, &p))
+            } else {
+                tolerable_fetch::provenance::recorded_sha256(&p)?
+            }
+        };
+        match known {
+            Some(s) => {
+                holder_sha.insert(id, s);
+            }
+            None => {
+                out.push_str(&format!(
+                    "holder {id}: sha256 unknown until its file is verified, on its first load\n"
+                ));
+            }
+        }
+    }
+    let holders_known = holder_ids(&plan.resources)
+        .iter()
+        .all(|id| holder_sha.contains_key(id));
+    match sha.as_ref().filter(|_| holders_known) {
         Some(sha) => {
-            for r in hash_all(&plan.resources, &train, sha, &cfg.run.precision)? {
+            for r in hash_all(
+                &plan.resources,
+                &train,
+                sha,
+                &cfg.run.precision,
+                &holder_sha,
+            )? {
                 let cached = store.is_cached(r.spec.kind().kind(), &r.hash, sha);
                 status.insert(
                     r.name.clone(),
@@ -459,6 +502,59 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
         "estimate: {pass_tokens} context tokens in passes, {question_tokens} question tokens, {decode_tokens} decoded tokens (batched), {res_tokens} tokens to build resources; about {:.0} min at ~{rate:.0} prefill tokens/s (a rough figure for this 2-core machine)\n",
         (secs + res_tokens as f64 / rate) / 60.0
     ));
+    Ok(out)
+}
+
+/// The cross-family holders (model ids) the resources of a plan read.
+fn holder_ids(resources: &[(String, ResourceSpec)]) -> Vec<String> {
+    let mut ids: Vec<String> = resources
+        .iter()
+        .flat_map(|(_, s)| s.kind().holders())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+/// Loads the cross-family holders of a plan's resources: the receiver's own
+/// id reuses the receiver (the identity sanity projection).
+fn load_holders(
+    resources: &[(String, ResourceSpec)],
+    receiver_id: &str,
+    ck: &Checkpoint,
+    precision: Precision,
+) -> Result<BTreeMap<String, CrossHolder>> {
+    let mut out = BTreeMap::new();
+    for id in holder_ids(resources) {
+        let h = if id == receiver_id {
+            CrossHolder {
+                id: id.clone(),
+                model: ck.model.clone(),
+                tokenizer: ck.tokenizer.clone(),
+                sha256: model_key(ck.sha256.as_deref(), &ck.path),
+            }
+        } else {
+            let t0 = Instant::now();
+            let hk = tolerable_fetch::load(&id, precision, &candle_core::Device::Cpu)?;
+            let c = hk.model.config();
+            tracing::info!(
+                "cross-family holder {id} loaded in {:.1} s: {} layers, width {}, {} kv heads x {} (sha256 {})",
+                t0.elapsed().as_secs_f64(),
+                c.n_layers,
+                c.d_model,
+                c.n_kv_heads,
+                c.head_dim,
+                hk.sha256.as_deref().unwrap_or("not hashed")
+            );
+            CrossHolder {
+                id: id.clone(),
+                sha256: model_key(hk.sha256.as_deref(), &hk.path),
+                model: hk.model,
+                tokenizer: hk.tokenizer,
+            }
+        };
+        out.insert(id, h);
+    }
     Ok(out)
 }
 
@@ -574,6 +670,8 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         );
         senders.insert(key.clone(), model);
     }
+    // Cross-family holders (other models read through a projection).
+    let holders = load_holders(&plan.resources, &cfg.run.model, &ck, precision)?;
     let eval = eval_set(&sample.items);
     let (resources, obtained) = obtain_resources(
         &plan.resources,
@@ -585,8 +683,10 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             data: &opts.data,
             eval: &eval,
             field: String::new(),
+            receiver: ck.model.config(),
         },
         &senders,
+        &holders,
         &store,
     )?;
     // Every invocation on this folder (first run, resumes, shards) is kept;
@@ -656,6 +756,13 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         },
         "resources": resources_meta,
         "senders": sender_reports,
+        "holders": holders
+            .values()
+            .map(|h| (h.id.clone(), serde_json::json!({
+                "sha256": h.sha256,
+                "config": h.model.config(),
+            })))
+            .collect::<serde_json::Map<String, serde_json::Value>>(),
         "template": cfg.run.template,
         "new_tokens": cfg.run.new_tokens,
         "max_prompt_tokens": split.max_prompt_tokens,
@@ -738,7 +845,8 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     } else {
         Batching::Batched
     })
-    .with_senders(&senders);
+    .with_senders(&senders)
+    .with_cross_holders(&ck.tokenizer, &holders);
     let t_run = Instant::now();
     let mut done = 0usize;
     for &c in &todo {

@@ -118,6 +118,13 @@ kind = "codebook"
 bank = "bank"
 construction = "kmeans"
 size = 32
+# §6 a cross-family holder's states through a projection fitted on 40 train items
+[resources.smol]
+kind = "cross_projection"
+holder = "smollm2-135m-instruct"
+fit = "svd"
+rank = 64
+train_items = 40
 
 # §5 cosine-calibrated noise on keys, per item and layer
 [[arms]]
@@ -182,7 +189,7 @@ inject = { carrier = "v", layers = "suffix:12", positions = "fact_region", sourc
 # §6 cross-family holder through a projection; held-out senders
 [[arms]]
 name = "cross_family"
-holder = { model = "smollm2-135m-instruct", projection = { kind = "lstsq", fit_items = 40 } }
+holder = { model = "smollm2-135m-instruct", projection = "smol" }
 inject = { carrier = "h", layers = 8, positions = "fact_region", source = "holder" }
 [[arms]]
 name = "held_out_q4"

@@ -1246,3 +1246,326 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
         assert!(!dir.path().join("bad/run.json").exists());
     }
 }
+
+/// A cross-family config: a receiver (the tiny Qwen2-style model) and a
+/// holder of another family, depth, width and kv geometry (a Llama-style
+/// model of 5 layers, width 48, one kv head), each through a projection
+/// fitted on synthetic training passages; the identity sanity projection
+/// (the receiver fitted to itself) beside the unprojected receiver holder.
+fn cross_config(dir: &Path, model: &Path, holder: &Path, train_items: usize) -> PathBuf {
+    let text = format!(
+        r#"
+[run]
+name = "tiny-cross"
+model = "{m}"
+seed = 5
+new_tokens = 4
+cell_items = 4
+
+[data]
+source = "synthetic"
+n = 4
+
+[resources.cross]
+kind = "cross_projection"
+holder = "{h}"
+fit = "least_squares"
+train_items = {train_items}
+data = "synthetic"
+
+[resources.cross_svd]
+kind = "cross_projection"
+holder = "{h}"
+fit = "svd"
+rank = 8
+train_items = {train_items}
+data = "synthetic"
+
+[resources.itself]
+kind = "cross_projection"
+holder = "{m}"
+fit = "least_squares"
+ridge = 1e-7
+train_items = {train_items}
+data = "synthetic"
+
+[[arms]]
+name = "floor"
+base = "masked"
+
+[[arms]]
+name = "native"
+base = "full"
+
+[[arms]]
+name = "kv_augment"
+inject = {{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}
+
+[[arms]]
+name = "kv_augment_cross"
+controls = ["floor"]
+holder = {{ model = "{h}", projection = "cross" }}
+inject = {{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}
+
+[[arms]]
+name = "kv_augment_identity"
+holder = {{ model = "{m}", projection = "itself" }}
+inject = {{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}
+
+[[arms]]
+name = "act_replace"
+inject = {{ carrier = "h", positions = "fact_region", source = "holder" }}
+grid = {{ layers = [1, 2] }}
+
+[[arms]]
+name = "act_replace_cross"
+controls = ["floor", "act_mismatch"]
+holder = {{ model = "{h}", projection = "cross" }}
+inject = {{ carrier = "h", positions = "fact_region", source = "holder" }}
+grid = {{ layers = [1, 2] }}
+
+[[arms]]
+name = "act_replace_cross_svd"
+holder = {{ model = "{h}", projection = "cross_svd" }}
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "holder" }}
+
+[[arms]]
+name = "act_replace_identity"
+holder = {{ model = "{m}", projection = "itself" }}
+inject = {{ carrier = "h", positions = "fact_region", source = "holder" }}
+grid = {{ layers = [1, 2] }}
+
+[[arms]]
+name = "act_mismatch"
+inject = {{ carrier = "h", positions = "fact_region", source = "other_item" }}
+grid = {{ layers = [1, 2] }}
+
+[[arms]]
+name = "act_mismatch_cross"
+holder = {{ model = "{h}", projection = "cross" }}
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "other_item" }}
+
+[[arms]]
+name = "kv_augment_mismatch_cross"
+holder = {{ model = "{h}", projection = "cross" }}
+inject = {{ carrier = "kv", positions = "passage", source = "other_item", mechanism = "append" }}
+"#,
+        m = model.display(),
+        h = holder.display()
+    );
+    let p = dir.join("cross.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn foreign_holder(dir: &Path) -> PathBuf {
+    let p = dir.join("holder.gguf");
+    write_gguf(
+        &TinySpec {
+            arch: tolerable_runtime::Arch::Llama,
+            n_layers: 5,
+            d_model: 48,
+            n_heads: 3,
+            n_kv_heads: 1,
+            d_ffn: 96,
+            context_length: 1024,
+            seed: 23,
+            ..TinySpec::default()
+        },
+        &p,
+    )
+    .unwrap();
+    p
+}
+
+#[test]
+fn cross_family_holders_run_through_cached_projections_and_the_identity_reaches_its_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let holder = foreign_holder(dir.path());
+    let cfg = cross_config(dir.path(), &model, &holder, 6);
+    let cache = dir.path().join("resources");
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    let read = |out: &str| -> serde_json::Value {
+        serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join(out).join("run.json")).unwrap(),
+        )
+        .unwrap()
+    };
+    let plan = sweep::dry_run(&cfg, &opts("dry")).unwrap();
+    assert!(plan.contains("cross_projection from"), "{plan}");
+    sweep::run(&cfg, &opts("a")).unwrap();
+    let meta = read("a");
+    for r in ["cross", "cross_svd", "itself"] {
+        assert_eq!(meta["resources"][r]["obtained"], "built", "{r}");
+    }
+    assert_eq!(
+        meta["holders"][holder.to_str().unwrap()]["config"]["n_layers"],
+        5
+    );
+    let (names, all) = rows(&dir.path().join("a/items/cell-00000.parquet"));
+    let arm = col(&names, &all, "arm");
+    let fid = col(&names, &all, "fidelity_cosine");
+    let cont = col(&names, &all, "continuation_ids");
+    let res = col(&names, &all, "resources");
+    let of = |name: &str| -> Vec<usize> {
+        arm.iter()
+            .enumerate()
+            .filter(|(_, a)| *a == name)
+            .map(|(i, _)| i)
+            .collect()
+    };
+    let f = |i: usize| -> f64 { fid[i].parse().unwrap_or_else(|_| panic!("{}", fid[i])) };
+    for name in [
+        "kv_augment_cross",
+        "act_replace_cross@layers=1",
+        "act_replace_cross_svd",
+        "kv_augment_identity",
+        "act_replace_identity@layers=2",
+        "act_mismatch_cross",
+    ] {
+        let rows = of(name);
+        assert_eq!(rows.len(), 4, "{name}");
+        for &i in &rows {
+            assert!(f(i).is_finite() && f(i) <= 1.0 + 1e-6, "{name}: {}", f(i));
+            assert!(res[i].contains('='), "{name}: {}", res[i]);
+        }
+    }
+    // The identity sanity arm: the receiver's own states through a
+    // projection fitted to itself land on the native states, and decode as
+    // the unprojected holder arm does.
+    for (ident, reference) in [
+        ("act_replace_identity@layers=1", "act_replace@layers=1"),
+        ("act_replace_identity@layers=2", "act_replace@layers=2"),
+        ("kv_augment_identity", "kv_augment"),
+    ] {
+        let (a, b) = (of(ident), of(reference));
+        for (&i, &j) in a.iter().zip(&b) {
+            assert!(f(i) > 0.999, "{ident}: fidelity {}", f(i));
+            assert_eq!(cont[i], cont[j], "{ident} against {reference}");
+        }
+    }
+    // Appended from another item's passage through the projection.
+    let m = of("kv_augment_mismatch_cross");
+    assert_eq!(m.len(), 4);
+    assert!(
+        m.iter().all(|&i| res[i].contains("cross=")),
+        "{}",
+        res[m[0]]
+    );
+    // The mismatch control through the cross holder reads another item's
+    // passage: its injected states are further from the native ones.
+    for (&i, &j) in of("act_mismatch_cross")
+        .iter()
+        .zip(&of("act_replace_cross@layers=1"))
+    {
+        assert!(f(i) < f(j), "mismatch {} against {}", f(i), f(j));
+    }
+    // The foreign holder's projected states are not the native ones.
+    let mean = |name: &str| of(name).iter().map(|&i| f(i)).sum::<f64>() / 4.0;
+    assert!(mean("act_replace_cross@layers=1") < 0.999);
+    assert!(mean("act_replace_cross@layers=1") > mean("act_replace_cross_svd") - 1e-9);
+
+    // A second run loads every projection from the cache and decodes the same.
+    sweep::run(&cfg, &opts("b")).unwrap();
+    let meta2 = read("b");
+    for r in ["cross", "cross_svd", "itself"] {
+        assert_eq!(meta2["resources"][r]["obtained"], "cached", "{r}");
+        assert_eq!(meta2["resources"][r]["hash"], meta["resources"][r]["hash"]);
+    }
+    let (n2, r2) = rows(&dir.path().join("b/items/cell-00000.parquet"));
+    assert_eq!(col(&n2, &r2, "continuation_ids"), cont);
+}
+
+#[test]
+fn cross_family_bad_input_is_named_before_any_eval_item() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let holder = foreign_holder(dir.path());
+    let run = |cfg: &Path, out: &str| {
+        let e = sweep::run(
+            cfg,
+            &SweepOptions {
+                out: Some(dir.path().join(out)),
+                resource_root: Some(dir.path().join("resources")),
+                ..Default::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        // No record, no run.json: nothing of an eval item was written.
+        assert!(!dir.path().join(out).join("run.json").exists(), "{e}");
+        assert!(!sweep::cell_path(&dir.path().join(out), 0).exists(), "{e}");
+        e
+    };
+    // A projection fitted on fewer rows than its rank (48: the holder's
+    // width): the fact region of one training passage.
+    let cfg = cross_config(dir.path(), &model, &holder, 1);
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "train_items = 1\n",
+        "train_items = 1\npositions = \"fact_region\"\n",
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let e = run(&cfg, "few");
+    assert!(
+        e.contains("[resources.cross].train_items") && e.contains("rank 48"),
+        "{e}"
+    );
+    // The dry run says so too.
+    let e = sweep::dry_run(
+        &cfg,
+        &SweepOptions {
+            resource_root: Some(dir.path().join("resources")),
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("[resources.cross].train_items"), "{e}");
+    // A holder whose cache shape differs, without a projection; a projection
+    // fitted on another holder; a projection that is not declared.
+    let write = |arm_holder: &str| {
+        let t = format!(
+            "[run]\nname = \"b\"\nmodel = \"{m}\"\n[data]\nsource = \"synthetic\"\nn = 2\n[resources.cross]\nkind = \"cross_projection\"\nholder = \"{h}\"\nfit = \"least_squares\"\ndata = \"synthetic\"\n[[arms]]\nname = \"a\"\nholder = {arm_holder}\ninject = {{ carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}\n",
+            m = model.display(),
+            h = holder.display()
+        );
+        let p = dir.path().join("bad.toml");
+        std::fs::write(&p, t).unwrap();
+        p
+    };
+    let e = run(
+        &write(&format!("{{ model = \"{}\" }}", holder.display())),
+        "shape",
+    );
+    assert!(
+        e.contains("arms[0].holder.projection") && e.contains("5 layers"),
+        "{e}"
+    );
+    let e = run(
+        &write(&format!(
+            "{{ model = \"{}\", projection = \"cross\" }}",
+            model.display()
+        )),
+        "other",
+    );
+    assert!(
+        e.contains("arms[0].holder.model") && e.contains("fitted on holder"),
+        "{e}"
+    );
+    let e = run(
+        &write(&format!(
+            "{{ model = \"{}\", projection = \"nope\" }}",
+            holder.display()
+        )),
+        "undeclared",
+    );
+    assert!(
+        e.contains("arms[0].holder.projection") && e.contains("[resources.nope]"),
+        "{e}"
+    );
+}

@@ -219,8 +219,10 @@ impl KvCache {
         if !fits {
             let (b, h, _, d) = k.dims4()?;
             let pad = Tensor::zeros((b, h, SLACK.max(n), d), k.dtype(), k.device())?;
-            let kb = Tensor::cat(&[&old.k, k, &pad], 2)?;
-            let vb = Tensor::cat(&[&old.v, v, &pad], 2)?;
+            // Contiguous buffers: later steps write into them in place
+            // (`cat` of a strided view may return a transposed layout).
+            let kb = Tensor::cat(&[&old.k, k, &pad], 2)?.contiguous()?;
+            let vb = Tensor::cat(&[&old.v, v, &pad], 2)?.contiguous()?;
             self.spare[l] = Some((kb, vb));
         } else if let Some((kb, vb)) = &self.spare[l] {
             kb.slice_set(&k.contiguous()?, 2, have)?;

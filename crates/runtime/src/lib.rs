@@ -25,4 +25,4 @@ pub use model::{ForwardOutput, Generation, GreedyOptions, Kernels, LogitsAt, Mod
 pub use weights::{Precision, Proj};
 pub mod tokenizer;
 pub use checkpoint::Checkpoint;
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{Spans, Tokenizer};

@@ -17,6 +17,9 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 /// The Qwen2 pre-tokenizer's split pattern (as in Qwen2's tokenizer.json).
 const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Byte spans `[start, end)` of tokens in a text, one per token.
+pub type Spans = Vec<(usize, usize)>;
+
 /// A model's tokenizer with its special tokens and chat template.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -212,6 +215,63 @@ impl Tokenizer {
             .to_vec())
     }
 
+    /// Token ids of `text` (as [`Tokenizer::encode`]) with each token's byte
+    /// span `[start, end)` in `text`: character offsets, in bytes, from the
+    /// tokenizer's own alignment (through its normalizer). A prepended BOS
+    /// spans `(0, 0)`. Byte-level tokens that split one character share its span.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Spans)> {
+        let enc = self.inner.encode(text, false).map_err(tok_err)?;
+        let mut ids = enc.get_ids().to_vec();
+        let mut spans: Vec<(usize, usize)> = enc.get_offsets().to_vec();
+        if self.add_bos {
+            if let Some(b) = self.bos_id {
+                ids.insert(0, b);
+                spans.insert(0, (0, 0));
+            }
+        }
+        Ok((ids, spans))
+    }
+
+    /// The text token ids spell and each id's byte span `[start, end)` in it,
+    /// for ids this tokenizer produced (segment by segment or at once): the
+    /// bytes of a byte-level token, the content of an added or special token
+    /// (`<|im_start|>`). A BOS at the start, where the model prepends one,
+    /// spans `(0, 0)` and adds no text. Fails on an id that is not a
+    /// byte-level token or an added token, or when the bytes are not UTF-8.
+    pub fn token_spans(&self, ids: &[u32]) -> Result<(String, Spans)> {
+        let added = self.inner.get_added_tokens_decoder();
+        let unbyte = unbyte_map();
+        let mut bytes: Vec<u8> = Vec::new();
+        let mut spans = Vec::with_capacity(ids.len());
+        for (i, &id) in ids.iter().enumerate() {
+            let start = bytes.len();
+            if i == 0 && self.add_bos && Some(id) == self.bos_id {
+                spans.push((0, 0));
+                continue;
+            }
+            if let Some(t) = added.get(&id) {
+                bytes.extend_from_slice(t.content.as_bytes());
+            } else {
+                let tok = self
+                    .inner
+                    .id_to_token(id)
+                    .ok_or_else(|| tok_err(format!("token id {id} is not in the vocabulary")))?;
+                for c in tok.chars() {
+                    let b = unbyte.get(&c).ok_or_else(|| {
+                        tok_err(format!(
+                            "token {id} (`{tok}`) is not a byte-level token: character offsets need byte-level BPE"
+                        ))
+                    })?;
+                    bytes.push(*b);
+                }
+            }
+            spans.push((start, bytes.len()));
+        }
+        let text = String::from_utf8(bytes)
+            .map_err(|e| tok_err(format!("the tokens do not spell UTF-8 text: {e}")))?;
+        Ok((text, spans))
+    }
+
     /// The text of token ids (special tokens included).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, false).map_err(tok_err)
@@ -273,6 +333,28 @@ impl Tokenizer {
         })
         .map_err(tok_err)
     }
+}
+
+/// GPT-2's byte-level alphabet, inverted: the byte each character of a
+/// byte-level token stands for.
+fn unbyte_map() -> std::collections::HashMap<char, u8> {
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    bs.into_iter()
+        .zip(cs)
+        .filter_map(|(b, c)| char::from_u32(c).map(|c| (c, b as u8)))
+        .collect()
 }
 
 impl Tokenizer {

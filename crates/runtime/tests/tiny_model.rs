@@ -879,3 +879,45 @@ fn low_rank_adapters_start_as_the_identity_act_as_a_weight_edit_and_train() {
     assert_eq!(g_ad.tokens[0].len(), 3);
     assert_eq!(g_plain.tokens[0][0], g_ad.tokens[0][0]);
 }
+
+/// Character offsets: a text encoded at once and ids encoded segment by
+/// segment both spell their text back, each token's span covering exactly
+/// its bytes (multi-byte characters and special tokens included).
+#[test]
+fn token_offsets_spell_the_text_the_ids_were_read_from() {
+    let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
+    let t = &ck.tokenizer;
+    for text in PROMPTS
+        .iter()
+        .copied()
+        .chain(["<|im_start|>user\nthe theatre<|im_end|>"])
+    {
+        let (ids, spans) = t.encode_with_offsets(text).unwrap();
+        assert_eq!(ids, t.encode(text).unwrap());
+        assert_eq!(spans.len(), ids.len());
+        let (back, own) = t.token_spans(&ids).unwrap();
+        assert_eq!(back, text);
+        // Each span holds its token's bytes; spans tile the text in order.
+        let mut at = 0;
+        for (i, &(s, e)) in own.iter().enumerate() {
+            assert_eq!(s, at, "{text:?} token {i}");
+            at = e;
+        }
+        assert_eq!(at, text.len());
+        // The tokenizer's own offsets agree wherever a token is whole characters.
+        for (i, (&a, &b)) in spans.iter().zip(&own).enumerate() {
+            if text.is_char_boundary(b.0) && text.is_char_boundary(b.1) {
+                assert_eq!(a, b, "{text:?} token {i}");
+            }
+        }
+    }
+    // Segment-by-segment ids (as the probe tokenizes passages) spell their text.
+    let segs = [" the cat", " sat on", " the mat.\n"];
+    let ids: Vec<u32> = segs
+        .iter()
+        .flat_map(|s| t.encode_fragment(s).unwrap())
+        .collect();
+    let (text, spans) = t.token_spans(&ids).unwrap();
+    assert_eq!(text, segs.concat());
+    assert_eq!(spans.last().unwrap().1, text.len());
+}

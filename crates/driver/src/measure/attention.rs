@@ -993,7 +993,9 @@ pub fn run(
                     data: &opts.data,
                     eval: &eval,
                     field: "[measure.bank]".into(),
+                    receiver: ck.model.config(),
                 },
+                &BTreeMap::new(),
                 &BTreeMap::new(),
                 &store,
             )?;

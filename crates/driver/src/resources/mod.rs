@@ -14,6 +14,7 @@
 pub mod bank;
 pub mod bridge;
 pub mod codebook;
+pub mod cross;
 pub mod fitted;
 pub mod store;
 
@@ -31,6 +32,7 @@ use tolerable_runtime::{Model, Tokenizer};
 pub use bank::{KeyBank, KeyBankSpec};
 pub use bridge::{BridgeSpec, BridgeValue, TrainArm};
 pub use codebook::{CodebookSet, CodebookSpec};
+pub use cross::{CrossProjection, CrossProjectionSpec, ProjectionFit};
 pub use fitted::{FitMethod, FittedMap, FittedMapSpec, KeyPairs, KeyPairsSpec};
 
 /// A resource as the config declares it: its kind and parameters.
@@ -50,6 +52,9 @@ pub enum ResourceSpec {
     /// Low-rank adapters on the receiver's attention projections, trained
     /// under an arm (PROTOCOL §7).
     Bridge(BridgeSpec),
+    /// A frozen per-layer projection of a cross-family holder's states into
+    /// the receiver's space (PROTOCOL §6, cross-family).
+    CrossProjection(CrossProjectionSpec),
 }
 
 impl ResourceSpec {
@@ -61,6 +66,7 @@ impl ResourceSpec {
             ResourceSpec::KeyPairs(s) => s,
             ResourceSpec::FittedMap(s) => s,
             ResourceSpec::Bridge(s) => s,
+            ResourceSpec::CrossProjection(s) => s,
         }
     }
 }
@@ -82,6 +88,8 @@ pub struct TrainCx<'a> {
     pub eval: &'a EvalSet,
     /// The config table of the resource (`[resources.<name>]`), for errors.
     pub field: String,
+    /// The receiver's geometry (a projection's rank depends on it).
+    pub receiver: &'a tolerable_runtime::ModelConfig,
 }
 
 /// What building a resource may read: its training context, the receiver,
@@ -96,6 +104,8 @@ pub struct BuildCx<'a> {
     pub senders: &'a BTreeMap<String, Model>,
     /// Built dependencies by resource name.
     pub deps: &'a BTreeMap<String, Value>,
+    /// Cross-family holders of the plan by model id, loaded.
+    pub holders: &'a BTreeMap<String, crate::cross::CrossHolder>,
 }
 
 /// The evaluation items a resource must not be fitted on.
@@ -117,6 +127,11 @@ pub trait ResourceKind {
     fn version(&self) -> u32;
     /// Names of the resources it is fitted on.
     fn deps(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Models other than the receiver it reads (cross-family holders, by
+    /// id): loaded before it is built, their sha256 in its content hash.
+    fn holders(&self) -> Vec<String> {
         Vec::new()
     }
     /// Checks the spec against the receiver's geometry and the other
@@ -224,11 +239,14 @@ pub struct Hashed {
 /// The training items and content hash of every resource of `resources`
 /// (in build order; a dependency's hash goes into its dependants').
 /// Chooses training items with the tokenizer only: no model runs.
+/// `holder_sha256` gives the sha256 of each holder model a resource reads
+/// (by id); it enters that resource's hash beside its dependencies'.
 pub fn hash_all(
     resources: &[(String, ResourceSpec)],
     train: &TrainCx,
     model_sha256: &str,
     precision: &str,
+    holder_sha256: &BTreeMap<String, String>,
 ) -> Result<Vec<Hashed>> {
     let mut out: Vec<Hashed> = Vec::new();
     for (name, spec) in resources {
@@ -238,7 +256,7 @@ pub fn hash_all(
             ..*train
         };
         let items = kind.training_items(&cx)?;
-        let deps: BTreeMap<String, String> = kind
+        let mut deps: BTreeMap<String, String> = kind
             .deps()
             .into_iter()
             .map(|d| {
@@ -250,6 +268,14 @@ pub fn hash_all(
                 (d, h)
             })
             .collect();
+        for id in kind.holders() {
+            let sha = holder_sha256.get(&id).cloned().ok_or_else(|| {
+                DriverError::Config(format!(
+                    "[resources.{name}]: the sha256 of holder `{id}` is not known"
+                ))
+            })?;
+            deps.insert(format!("holder:{id}"), sha);
+        }
         let hash = content_hash(
             spec,
             &HashInputs {
