@@ -128,7 +128,19 @@ fn shipped_configs_compile_against_their_receivers() {
                     eprintln!("skipping {}: {} is not fetched", p.display(), cfg.run.model);
                     continue;
                 }
-                tolerable_driver::measure::dry_run(&p, &Default::default())
+                // Conditioning and quantization probes are SQuAD items.
+                let squad =
+                    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/squad");
+                let opts = tolerable_driver::measure::MeasureOptions {
+                    data: [
+                        ("squad_dev".to_string(), squad.clone()),
+                        ("squad_train".to_string(), squad),
+                    ]
+                    .into_iter()
+                    .collect(),
+                    ..Default::default()
+                };
+                tolerable_driver::measure::dry_run(&p, &opts)
                     .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
                 compiled += 1;
                 continue;
