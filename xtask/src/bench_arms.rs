@@ -196,10 +196,7 @@ pub fn bank(
     if let Some(p) = squad {
         data.insert("squad_train".to_string(), p.to_path_buf());
     }
-    let eval = EvalSet {
-        ids: items.iter().map(|i| i.item.id.clone()).collect(),
-        passages: items.iter().map(|i| i.item.context.clone()).collect(),
-    };
+    let eval = EvalSet::of(&items);
     let split = SplitOptions::default();
     let deps = BTreeMap::new();
     let cx = BuildCx {

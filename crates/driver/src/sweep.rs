@@ -559,10 +559,7 @@ fn load_holders(
 }
 
 fn eval_set(items: &[SplitItem]) -> EvalSet {
-    EvalSet {
-        ids: items.iter().map(|i| i.item.id.clone()).collect(),
-        passages: items.iter().map(|i| i.item.context.clone()).collect(),
-    }
+    EvalSet::of(items)
 }
 
 /// Runs (or resumes, or merges) a sweep.

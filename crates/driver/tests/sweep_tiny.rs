@@ -1569,3 +1569,62 @@ fn cross_family_bad_input_is_named_before_any_eval_item() {
         "{e}"
     );
 }
+
+#[test]
+fn an_answer_disjoint_bridge_trains_on_no_evaluation_answer() {
+    use tolerable_driver::resources::{EvalSet, ResourceKind, TrainCx};
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let ck = tolerable_runtime::Checkpoint::load_gguf(
+        "tiny",
+        &model,
+        None,
+        tolerable_runtime::Precision::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let spec: tolerable_driver::resources::BridgeSpec = toml::from_str(
+        "targets = \"q\"\ntrain_items = 6\nslice_items = 2\ndata = \"synthetic\"\nanswer_disjoint = true\narm = { inject = [] }\n",
+    )
+    .unwrap();
+    // The evaluation answers: those of some of the synthetic training candidates.
+    let candidates = tolerable_probe::synthetic::generate(8 * 4, 0x7EA1_0000_0000_0000);
+    let mut eval = EvalSet::default();
+    for c in candidates.iter().step_by(2) {
+        eval.answers.extend(
+            c.answers
+                .iter()
+                .map(|a| tolerable_probe::score::normalize(a)),
+        );
+    }
+    let split = tolerable_probe::SplitOptions::default();
+    let data = std::collections::BTreeMap::new();
+    let cx = TrainCx {
+        tokenizer: &ck.tokenizer,
+        split: &split,
+        data: &data,
+        eval: &eval,
+        field: "[resources.b]".into(),
+        receiver: ck.model.config(),
+    };
+    let items = spec.training_items(&cx).unwrap();
+    assert_eq!(items.len(), 8);
+    for it in &items {
+        for a in &it.item.answers {
+            assert!(
+                !eval.answers.contains(&tolerable_probe::score::normalize(a)),
+                "{a}"
+            );
+        }
+    }
+    // Without the split the same sample may share answers; with it the
+    // content hash's training items differ.
+    let plain: tolerable_driver::resources::BridgeSpec =
+        toml::from_str("targets = \"q\"\ntrain_items = 6\nslice_items = 2\ndata = \"synthetic\"\narm = { inject = [] }\n").unwrap();
+    let p = plain.training_items(&cx).unwrap();
+    assert!(p.iter().any(|it| it
+        .item
+        .answers
+        .iter()
+        .any(|a| eval.answers.contains(&tolerable_probe::score::normalize(a)))));
+}

@@ -973,10 +973,7 @@ pub fn run(
     let mut resources_meta = serde_json::json!({});
     let bank_value = match which {
         Which::Conditioning(c) => {
-            let eval = EvalSet {
-                ids: probes.iter().map(|p| p.item.id.clone()).collect(),
-                passages: probes.iter().map(|p| p.item.context.clone()).collect(),
-            };
+            let eval = EvalSet::of(&probes);
             let store = crate::resources::store::Store::new(
                 opts.resource_root
                     .clone()

@@ -93,6 +93,11 @@ pub struct BridgeSpec {
     /// Where training items come from (`squad_train`, or `synthetic`).
     #[serde(default = "train")]
     pub data: DataSource,
+    /// Train only on items that share no normalised gold answer with the
+    /// evaluation items (the answer-disjoint split: a bridge that memorised
+    /// answers earns nothing there).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub answer_disjoint: bool,
     /// The arm the bridge is trained under.
     pub arm: TrainArm,
 }
@@ -424,12 +429,17 @@ impl ResourceKind for BridgeSpec {
     }
 
     fn training_items(&self, cx: &TrainCx) -> Result<Vec<SplitItem>> {
-        sample_training(
-            cx,
-            self.data,
-            self.train_items + self.slice_items,
-            self.seed,
-        )
+        let n = self.train_items + self.slice_items;
+        if self.answer_disjoint {
+            let eval = &cx.eval.answers;
+            super::sample_training_where(cx, self.data, n, self.seed, &|it| {
+                !it.answers
+                    .iter()
+                    .any(|a| eval.contains(&tolerable_probe::score::normalize(a)))
+            })
+        } else {
+            sample_training(cx, self.data, n, self.seed)
+        }
     }
 
     fn build(&self, cx: &BuildCx, items: &[SplitItem]) -> Result<Value> {
@@ -654,8 +664,17 @@ impl ResourceKind for BridgeSpec {
 
     fn describe(&self) -> String {
         format!(
-            "bridge targets={:?} rank={} alpha={} layers={} train_items={} slice_items={} epochs={} lr={} seed={}",
-            self.targets, self.rank, self.alpha, self.layers, self.train_items, self.slice_items, self.epochs, self.lr, self.seed
+            "bridge targets={:?} rank={} alpha={} layers={} train_items={} slice_items={} epochs={} lr={} seed={}{}",
+            self.targets,
+            self.rank,
+            self.alpha,
+            self.layers,
+            self.train_items,
+            self.slice_items,
+            self.epochs,
+            self.lr,
+            self.seed,
+            if self.answer_disjoint { " answer_disjoint" } else { "" }
         )
     }
 

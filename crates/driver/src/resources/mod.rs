@@ -115,6 +115,27 @@ pub struct EvalSet {
     pub ids: HashSet<String>,
     /// Passages (so a training item that reuses an evaluation passage is caught too).
     pub passages: HashSet<String>,
+    /// Gold answers, normalised (for answer-disjoint training sets).
+    pub answers: HashSet<String>,
+}
+
+impl EvalSet {
+    /// The evaluation set of `items`.
+    pub fn of(items: &[SplitItem]) -> Self {
+        Self {
+            ids: items.iter().map(|i| i.item.id.clone()).collect(),
+            passages: items.iter().map(|i| i.item.context.clone()).collect(),
+            answers: items
+                .iter()
+                .flat_map(|i| {
+                    i.item
+                        .answers
+                        .iter()
+                        .map(|a| tolerable_probe::score::normalize(a))
+                })
+                .collect(),
+        }
+    }
 }
 
 /// The behaviour of one resource kind: what it depends on, what it is
@@ -345,6 +366,19 @@ pub fn sample_training(
     n: usize,
     seed: u64,
 ) -> Result<Vec<SplitItem>> {
+    sample_training_where(cx, source, n, seed, &|_| true)
+}
+
+/// As [`sample_training`], keeping only the raw items `keep` accepts (an
+/// answer-disjoint training set keeps those that share no normalised gold
+/// answer with the evaluation items).
+pub fn sample_training_where(
+    cx: &TrainCx,
+    source: DataSource,
+    n: usize,
+    seed: u64,
+    keep: &dyn Fn(&tolerable_probe::QaItem) -> bool,
+) -> Result<Vec<SplitItem>> {
     let field = cx.field.as_str();
     let raw = match source {
         DataSource::SquadTrain => {
@@ -370,6 +404,7 @@ pub fn sample_training(
     let distinct: Vec<_> = raw
         .into_iter()
         .filter(|it| !cx.eval.ids.contains(&it.id) && !cx.eval.passages.contains(&it.context))
+        .filter(|it| keep(it))
         .filter(|it| seen.insert(it.context.clone()))
         .collect();
     let sample = tolerable_probe::sample::sample(&distinct, cx.tokenizer, cx.split, n, seed)
