@@ -196,7 +196,7 @@ pub fn bank(
     if let Some(p) = squad {
         data.insert("squad_train".to_string(), p.to_path_buf());
     }
-    let eval = EvalSet::of(&items);
+    let eval = EvalSet::of(items);
     let split = SplitOptions::default();
     let deps = BTreeMap::new();
     let cx = BuildCx {
