@@ -32,4 +32,5 @@ pub use error::{CarrierError, Result};
 pub use fidelity::{kv_fidelity, logit_correlation, mean_vector_cosine, site_cosine};
 pub use inject::{append_kv, edit_kv, edit_resid, KvSites};
 pub use perturb::Perturbation;
+pub use rng::uniform_symmetric;
 pub use sites::{Carrier, Geometry, LayerSet, Mechanism, Positions};

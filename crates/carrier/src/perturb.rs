@@ -118,15 +118,7 @@ impl Perturbation {
             Perturbation::Destroy => vec![0.0; xs.len()],
             Perturbation::Quantize { bits } => {
                 let last = *dims.last().unwrap_or(&1);
-                let qmax = ((1i32 << (bits - 1)) - 1) as f32;
-                xs.chunks(last.max(1))
-                    .flat_map(|v| {
-                        let m = v.iter().fold(0f32, |m, &x| m.max(x.abs()));
-                        let scale = if m > 0.0 { m / qmax } else { 1.0 };
-                        v.iter()
-                            .map(move |&x| (x / scale).round().clamp(-qmax, qmax) * scale)
-                    })
-                    .collect()
+                crate::readout::int_round_trip(&xs, last.max(1), *bits)?
             }
         };
         // Only the sites change; everything else stays bit-exact.

@@ -236,21 +236,6 @@ impl Readout {
     }
 }
 
-/// Relative L2 distance `|a - b| / |b|` (0 when both are zero).
-pub fn relative_error(a: &[f64], b: &[f64]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-    let den: f64 = b.iter().map(|y| y * y).sum();
-    if den == 0.0 {
-        if num == 0.0 {
-            0.0
-        } else {
-            f64::INFINITY
-        }
-    } else {
-        (num / den).sqrt()
-    }
-}
-
 /// An orthonormal basis (`[r, d]`, row-major) of the subspace spanned by the
 /// leading right singular vectors of `rows` (`[n, d]`) that together hold at
 /// least `energy` (in (0, 1]) of its squared Frobenius norm: the directions

@@ -98,6 +98,15 @@ pub(crate) fn sample_indices(m: usize, n: usize, seed: u64) -> Vec<usize> {
     out
 }
 
+/// `n` seeded draws uniform in `[-bound, bound)` (SplitMix64): the one
+/// seeded uniform stream the workspace initialises trainable weights from.
+pub fn uniform_symmetric(n: usize, bound: f64, seed: u64) -> Vec<f32> {
+    let mut u = SplitMix64::new(seed);
+    (0..n)
+        .map(|_| ((2.0 * u.uniform() - 1.0) * bound) as f32)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
