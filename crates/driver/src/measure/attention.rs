@@ -35,16 +35,14 @@ use crate::config::{DataSection, DataSource};
 use crate::error::{DriverError, Result};
 use crate::records::MeasureRow;
 use crate::resources::{EvalSet, KeyBank, KeyBankSpec, ResourceSpec, TrainCx};
-use candle_core::IndexOp;
-use indicatif::{ProgressBar, ProgressStyle};
+use candle_core::{IndexOp, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::Path;
 use std::time::Instant;
 use tolerable_carrier::readout::{
-    int_round_trip, matched_noise, principal_subspace, random_direction, relative_error,
-    subspace_share, Readout,
+    int_round_trip, matched_noise, principal_subspace, random_direction, subspace_share, Readout,
 };
 use tolerable_carrier::LayerSet;
 use tolerable_probe::{SplitItem, SplitOptions, Template};
@@ -375,72 +373,16 @@ fn read_probe(
     Ok(views)
 }
 
-/// A seed for one draw, from its coordinates.
-fn draw_seed(parts: &[u64]) -> u64 {
-    let mut h: u64 = 0xC0DE_1710_u64.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    for &p in parts {
-        h ^= p
-            .wrapping_add(0x9E37_79B9_7F4A_7C15)
-            .wrapping_add(h << 6)
-            .wrapping_add(h >> 2);
-        h = h.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    }
-    h
-}
-
-fn id_seed(id: &str) -> u64 {
-    id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 fn norm(x: &[f32]) -> f64 {
     x.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt()
 }
 
-/// Bank rows of one layer and head as plain rows, with their norms.
-struct BankRows {
-    rows: Vec<f32>,
-    norms: Vec<f64>,
-}
-
-fn bank_rows(
-    bank: &KeyBank,
-    layers: &[usize],
-    n_kv: usize,
-) -> Result<BTreeMap<(usize, usize), BankRows>> {
-    let mut out = BTreeMap::new();
-    for &l in layers {
-        for h in 0..n_kv {
-            let rows = bank
-                .at(l, h)?
-                .to_dtype(candle_core::DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let d = bank.at(l, h)?.dim(1)?;
-            let norms = rows.chunks(d).map(norm).collect();
-            out.insert((l, h), BankRows { rows, norms });
-        }
-    }
-    Ok(out)
-}
-
-/// The bank rows nearest `k` by cosine, best first (`take` of them).
-fn nearest(bank: &BankRows, k: &[f32], take: usize) -> Vec<usize> {
-    let d = k.len();
-    let kn = norm(k).max(f64::MIN_POSITIVE);
-    let mut sims: Vec<(f64, usize)> = bank
-        .rows
-        .chunks(d)
-        .zip(&bank.norms)
-        .enumerate()
-        .map(|(i, (b, &bn))| {
-            let c: f64 = b.iter().zip(k).map(|(&x, &y)| x as f64 * y as f64).sum();
-            (c / (kn * bn.max(f64::MIN_POSITIVE)), i)
-        })
-        .collect();
-    sims.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    sims.into_iter().take(take).map(|(_, i)| i).collect()
+/// The bank rows nearest `k` by cosine, best first (`take` of them): the
+/// key-bank arms' own neighbour search ([`tolerable_carrier::top_k_cosine`]).
+fn nearest(bank: &Tensor, k: &[f32], take: usize) -> Result<Vec<Vec<f32>>> {
+    let q = Tensor::from_slice(k, (1, k.len()), bank.device())?;
+    let near = tolerable_carrier::top_k_cosine(&q, bank, take)?;
+    Ok(tolerable_carrier::gather_rows(bank, &near.index[0])?.to_vec2::<f32>()?)
 }
 
 /// Accumulates a mean.
@@ -471,7 +413,7 @@ fn conditioning_probe(
     spec: &ConditioningSpec,
     item: &SplitItem,
     views: &BTreeMap<usize, Vec<HeadView>>,
-    banks: &BTreeMap<(usize, usize), BankRows>,
+    bank: &KeyBank,
     d: usize,
 ) -> Result<Vec<MeasureRow>> {
     let fact = item.fact_positions();
@@ -481,7 +423,7 @@ fn conditioning_probe(
             item.item.id
         )));
     }
-    let pid = id_seed(&item.item.id);
+    let pid = crate::exec::name_key(&item.item.id);
     let mut rows = Vec::new();
     for (&l, heads) in views {
         // (manifold, magnitude index) -> (logit, softmax, logit relative, softmax relative) means.
@@ -489,11 +431,9 @@ fn conditioning_probe(
         let (mut bound, mut weight) = (Mean::default(), Mean::default());
         for (h, view) in heads.iter().enumerate() {
             let readout = Readout::new(&view.decision, &view.keys, d)?;
-            let bank = banks.get(&(l, h)).ok_or_else(|| {
-                DriverError::Records(format!("no bank rows for layer {l} head {h}"))
-            })?;
+            let bank = bank.at(l, h)?;
             for s in 0..spec.seeds {
-                let pick = draw_seed(&[pid, l as u64, h as u64, s as u64, 1]);
+                let pick = crate::exec::mix(pid, &[l as u64, h as u64, s as u64, 1]);
                 let j = fact[(pick % fact.len() as u64) as usize];
                 let k = &view.keys[j * d..(j + 1) * d];
                 let kn = norm(k);
@@ -502,10 +442,9 @@ fn conditioning_probe(
                     weight.add(readout.weight(g, j));
                 }
                 // On-manifold: toward this seed's neighbours (ranks s*D+1 ..= (s+1)*D).
-                let near = nearest(bank, k, spec.directions * spec.seeds);
+                let near = nearest(bank, k, spec.directions * spec.seeds)?;
                 let mut dirs: Vec<(&str, Vec<f32>)> = Vec::new();
-                for &b in near.iter().skip(s * spec.directions).take(spec.directions) {
-                    let row = &bank.rows[b * d..(b + 1) * d];
+                for row in near.iter().skip(s * spec.directions).take(spec.directions) {
                     let diff: Vec<f32> = row.iter().zip(k).map(|(x, y)| x - y).collect();
                     let dn = norm(&diff);
                     if dn > 0.0 {
@@ -520,7 +459,7 @@ fn conditioning_probe(
                         "off_manifold",
                         random_direction(
                             d,
-                            draw_seed(&[pid, l as u64, h as u64, s as u64, 2, di as u64]),
+                            crate::exec::mix(pid, &[l as u64, h as u64, s as u64, 2, di as u64]),
                         ),
                     ));
                 }
@@ -577,7 +516,7 @@ fn quantization_probe(
     views: &BTreeMap<usize, Vec<HeadView>>,
     d: usize,
 ) -> Result<Vec<MeasureRow>> {
-    let pid = id_seed(&item.item.id);
+    let pid = crate::exec::name_key(&item.item.id);
     let mut rows = Vec::new();
     let row =
         |metric: &str, value: f64, n: usize, l: usize, variant: Option<&str>, mag: Option<f64>| {
@@ -593,7 +532,7 @@ fn quantization_probe(
         let (mut rank, mut iso) = (Mean::default(), Mean::default());
         for (h, view) in heads.iter().enumerate() {
             let readout = Readout::new(&view.decision, &view.keys, d)?;
-            let clean = readout.output(None, &view.values)?;
+            let clean = f32s(&readout.output(None, &view.values)?);
             let basis = principal_subspace(&view.question, d, spec.query_energy)?;
             let r = basis.len() / d;
             rank.add(r as f64);
@@ -631,7 +570,7 @@ fn quantization_probe(
                         let out = readout.output(Some(&k2), &v2)?;
                         acc.entry((name.to_string(), fixed, "output_error"))
                             .or_default()
-                            .add(relative_error(&out, &clean));
+                            .add(tolerable_stats::relative_l2(&f32s(&out), &clean)?);
                         acc.entry((name.to_string(), fixed, "query_share"))
                             .or_default()
                             .add(subspace_share(dk, &basis, d));
@@ -642,7 +581,8 @@ fn quantization_probe(
                     };
                     measure(&mut acc, &quant, &dk, &dv)?;
                     for s in 0..spec.noise_seeds {
-                        let seed = draw_seed(&[pid, l as u64, h as u64, bits as u64, s as u64]);
+                        let seed =
+                            crate::exec::mix(pid, &[l as u64, h as u64, bits as u64, s as u64]);
                         let nk = matched_noise(&dk, d, seed);
                         let nv = matched_noise(&dv, d, seed ^ 0x05EE_D0F0_A1E5);
                         measure(&mut acc, &noise, &nk, &nv)?;
@@ -673,24 +613,9 @@ fn quantization_probe(
     Ok(rows)
 }
 
-fn pearson(x: &[f64], y: &[f64]) -> f64 {
-    let n = x.len().min(y.len());
-    if n < 2 {
-        return f64::NAN;
-    }
-    let mx = x[..n].iter().sum::<f64>() / n as f64;
-    let my = y[..n].iter().sum::<f64>() / n as f64;
-    let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
-    for i in 0..n {
-        sxy += (x[i] - mx) * (y[i] - my);
-        sxx += (x[i] - mx) * (x[i] - mx);
-        syy += (y[i] - my) * (y[i] - my);
-    }
-    if sxx == 0.0 || syy == 0.0 {
-        f64::NAN
-    } else {
-        sxy / (sxx * syy).sqrt()
-    }
+/// A readout computed in f64, as the f32 rows `tolerable_stats` compares.
+fn f32s(x: &[f64]) -> Vec<f32> {
+    x.iter().map(|&v| v as f32).collect()
 }
 
 /// Aggregates per-probe rows: means over probes per (layer, variant,
@@ -795,7 +720,7 @@ pub fn summarize(
                             Some(smallest),
                             "bound_correlation".into(),
                         ),
-                        pearson(&bounds, &gains),
+                        tolerable_stats::pearson(&f32s(&bounds), &f32s(&gains)).unwrap_or(f64::NAN),
                         layers.len(),
                     );
                     r.note = Some("Pearson, across layers, of the mean analytic bound and the mean measured softmax gain at the smallest magnitude".into());
@@ -850,20 +775,18 @@ pub fn summarize(
     out
 }
 
-fn progress(len: usize, prefix: String) -> ProgressBar {
-    let bar = ProgressBar::new(len as u64);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{prefix} {bar:30} {pos}/{len} probes {per_sec} eta {eta} {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_prefix(prefix);
-    bar
+/// What a run and its dry run both need before any weight loads: the
+/// model's header, the layers, the prompt settings and the probes.
+struct Setup {
+    mcfg: ModelConfig,
+    path: std::path::PathBuf,
+    layers: Vec<usize>,
+    split: SplitOptions,
+    probes: Vec<SplitItem>,
+    source: String,
 }
 
-/// What a conditioning or quantization run would do, without weights.
-pub fn dry_run(cfg: &MeasureConfig, which: Which, opts: &MeasureOptions) -> Result<String> {
+fn setup(cfg: &MeasureConfig, which: Which, opts: &MeasureOptions) -> Result<Setup> {
     let (mcfg, tk, path) = crate::sweep::header(&cfg.run.model)?;
     let layers = resolve_layers(which.layer_set(), &mcfg)?;
     let split = split_options(&mcfg);
@@ -875,6 +798,33 @@ pub fn dry_run(cfg: &MeasureConfig, which: Which, opts: &MeasureOptions) -> Resu
         &tk,
         &split,
     )?;
+    if probes.len() < which.probes() {
+        return Err(cfg_err(format!(
+            "[measure] probes: {} asked, {} usable items in {source}",
+            which.probes(),
+            probes.len()
+        )));
+    }
+    Ok(Setup {
+        mcfg,
+        path,
+        layers,
+        split,
+        probes,
+        source,
+    })
+}
+
+/// What a conditioning or quantization run would do, without weights.
+pub fn dry_run(cfg: &MeasureConfig, which: Which, opts: &MeasureOptions) -> Result<String> {
+    let Setup {
+        mcfg,
+        path,
+        layers,
+        probes,
+        source,
+        ..
+    } = setup(cfg, which, opts)?;
     let tokens: usize = probes.iter().map(|p| p.full_prompt().len()).sum();
     let g = mcfg.n_heads / mcfg.n_kv_heads;
     let mut s = format!(
@@ -939,38 +889,20 @@ pub fn run(
             cfg.run.precision
         )));
     }
-    let (mcfg, tk, _) = crate::sweep::header(&cfg.run.model)?;
-    let layers = resolve_layers(which.layer_set(), &mcfg)?;
-    let split = split_options(&mcfg);
-    let (probes, source) = sample_probes(
-        which.data(),
-        which.probes(),
-        cfg.run.seed,
-        opts,
-        &tk,
-        &split,
-    )?;
-    if probes.len() < which.probes() {
-        return Err(cfg_err(format!(
-            "[measure] probes: {} asked, {} usable items in {source}",
-            which.probes(),
-            probes.len()
-        )));
-    }
+    let Setup {
+        mcfg,
+        layers,
+        split,
+        probes,
+        source,
+        ..
+    } = setup(cfg, which, opts)?;
     let need = (probes.len() * layers.len() * 200 * 128) as u64 + 16 * 1024 * 1024;
     crate::sweep::check_writable_in(&dir, "units", need)?;
-    let ck = tolerable_fetch::load(&cfg.run.model, precision, &candle_core::Device::Cpu)?;
-    let gates = crate::gates::run_all(&ck, false)?;
-    if gates["passed"] != true {
-        return Err(DriverError::Gate(format!(
-            "{} failed the verification gates; nothing was written: {}",
-            cfg.run.model,
-            serde_json::to_string(&gates).unwrap_or_default()
-        )));
-    }
+    let (ck, gates) = super::load_gated(cfg, precision)?;
     let model = &ck.model;
     // The bank (conditioning): the sweeps' key-bank resource, cached by content hash.
-    let mut resources_meta = serde_json::json!({});
+    let mut resources_meta = serde_json::Map::new();
     let bank_value = match which {
         Which::Conditioning(c) => {
             let eval = EvalSet::of(&probes);
@@ -996,62 +928,34 @@ pub fn run(
                 &BTreeMap::new(),
                 &store,
             )?;
-            if let Some(i) = info.get("bank") {
-                resources_meta = serde_json::json!({ "bank": {
-                    "kind": "key_bank",
-                    "spec": c.bank,
-                    "hash": i.hash,
-                    "obtained": i.obtained,
-                    "build_seconds": i.build_seconds,
-                    "training_items": i.items,
-                }});
-            }
+            resources_meta = crate::sweep::resources_meta(&list, &values, &info);
             values.get("bank").cloned()
         }
         Which::Quantization(_) => None,
     };
-    let banks = match &bank_value {
-        Some(v) => {
-            let bank: &KeyBank = crate::resources::bank::downcast(v, "key bank")?;
-            bank_rows(bank, &layers, mcfg.n_kv_heads)?
-        }
-        None => BTreeMap::new(),
+    let bank: Option<&KeyBank> = match &bank_value {
+        Some(v) => Some(crate::resources::bank::downcast(v, "key bank")?),
+        None => None,
     };
     let mut invocations = rd.invocations();
     invocations.push(invocation(serde_json::json!({})));
-    let meta = serde_json::json!({
-        "name": cfg.run.name,
-        "kind": "measure",
-        "measurement": which.name(),
-        "config_hash": hash,
-        "config_file": config_path.display().to_string(),
-        "config": cfg,
-        "model": {
-            "id": cfg.run.model,
-            "sha256": ck.sha256,
-            "sha256_verified": ck.sha256.is_some(),
-            "path": ck.path.display().to_string(),
-            "precision": cfg.run.precision,
-            "config": model.config(),
-        },
-        "git_revision": crate::sweep::git_revision(),
-        "build_revision": super::build_revision(),
-        "seeds": { "probes": cfg.run.seed },
-        "probes": {
-            "source": source,
-            "ids": probes.iter().map(|p| p.item.id.clone()).collect::<Vec<_>>(),
-            "template": "raw",
-            "max_prompt_tokens": split.max_prompt_tokens,
-        },
-        "layers": layers,
-        "group_size": mcfg.n_heads / mcfg.n_kv_heads,
-        "bound_constant": ((2 * mcfg.n_heads / mcfg.n_kv_heads) as f64).sqrt(),
-        "resources": resources_meta,
-        "gates": gates,
-        "threads": candle_core::utils::get_num_threads(),
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "invocations": invocations,
-    });
+    let mut meta = super::run_meta(cfg, config_path, &ck, &gates, invocations);
+    super::extend_meta(
+        &mut meta,
+        serde_json::json!({
+            "seeds": { "probes": cfg.run.seed },
+            "probes": {
+                "source": source,
+                "ids": probes.iter().map(|p| p.item.id.clone()).collect::<Vec<_>>(),
+                "template": "raw",
+                "max_prompt_tokens": split.max_prompt_tokens,
+            },
+            "layers": layers,
+            "group_size": mcfg.n_heads / mcfg.n_kv_heads,
+            "bound_constant": ((2 * mcfg.n_heads / mcfg.n_kv_heads) as f64).sqrt(),
+            "resources": resources_meta,
+        }),
+    );
     rd.write_meta(&meta)?;
     let todo: Vec<&SplitItem> = probes
         .iter()
@@ -1066,7 +970,11 @@ pub fn run(
         );
     }
     let headless = !std::io::stderr().is_terminal();
-    let bar = progress(todo.len(), format!("{} {}", which.name(), cfg.run.name));
+    let bar = super::progress(
+        todo.len(),
+        format!("{} {}", which.name(), cfg.run.name),
+        "probes",
+    );
     let t0 = Instant::now();
     for (i, p) in todo.iter().enumerate() {
         bar.set_message(p.item.id.clone());
@@ -1078,7 +986,7 @@ pub fn run(
                 c,
                 p,
                 &views,
-                &banks,
+                bank.ok_or_else(|| DriverError::Records("internal: no key bank".into()))?,
                 mcfg.head_dim,
             )?,
             Which::Quantization(q) => {

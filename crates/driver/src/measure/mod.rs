@@ -401,6 +401,92 @@ impl RunDir {
     }
 }
 
+/// A measurement's progress bar over `len` units named `unit`.
+pub(crate) fn progress(len: usize, prefix: String, unit: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(len as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "{{prefix}} {{bar:30}} {{pos}}/{{len}} {unit} {{per_sec}} eta {{eta}} {{msg}}"
+        ))
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_prefix(prefix);
+    bar
+}
+
+/// Loads the run's model (sha256 verified on load) and runs the runtime
+/// gates; an error, with nothing written, when one fails.
+pub(crate) fn load_gated(
+    cfg: &MeasureConfig,
+    precision: tolerable_runtime::Precision,
+) -> Result<(tolerable_runtime::Checkpoint, serde_json::Value)> {
+    let t_load = std::time::Instant::now();
+    let ck = tolerable_fetch::load(&cfg.run.model, precision, &candle_core::Device::Cpu)?;
+    tracing::info!(
+        "loaded {} in {:.1} s (sha256 {})",
+        cfg.run.model,
+        t_load.elapsed().as_secs_f64(),
+        ck.sha256.as_deref().unwrap_or("not hashed")
+    );
+    let t_gates = std::time::Instant::now();
+    let gates = crate::gates::run_all(&ck, false)?;
+    let passed = gates["passed"] == true;
+    tracing::info!(
+        "gates {} in {:.1} s",
+        if passed { "passed" } else { "FAILED" },
+        t_gates.elapsed().as_secs_f64()
+    );
+    if !passed {
+        return Err(DriverError::Gate(format!(
+            "{} failed the verification gates; nothing was written: {}",
+            cfg.run.model,
+            serde_json::to_string(&gates).unwrap_or_default()
+        )));
+    }
+    Ok((ck, gates))
+}
+
+/// What every measurement's `run.json` holds: the run, its config and
+/// hash, the model as verified, revisions, gates, threads, the command and
+/// every invocation. A kind adds its own fields to the object.
+pub(crate) fn run_meta(
+    cfg: &MeasureConfig,
+    config_path: &Path,
+    ck: &tolerable_runtime::Checkpoint,
+    gates: &serde_json::Value,
+    invocations: Vec<serde_json::Value>,
+) -> serde_json::Value {
+    serde_json::json!({
+        "name": cfg.run.name,
+        "kind": "measure",
+        "measurement": cfg.measure.kind(),
+        "config_hash": cfg.hash(),
+        "config_file": config_path.display().to_string(),
+        "config": cfg,
+        "model": {
+            "id": cfg.run.model,
+            "sha256": ck.sha256,
+            "sha256_verified": ck.sha256.is_some(),
+            "path": ck.path.display().to_string(),
+            "precision": cfg.run.precision,
+            "config": ck.model.config(),
+        },
+        "git_revision": crate::sweep::git_revision(),
+        "build_revision": build_revision(),
+        "gates": gates,
+        "threads": candle_core::utils::get_num_threads(),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "invocations": invocations,
+    })
+}
+
+/// Adds `fields` (an object) to the object `meta`.
+pub(crate) fn extend_meta(meta: &mut serde_json::Value, fields: serde_json::Value) {
+    if let (Some(o), serde_json::Value::Object(f)) = (meta.as_object_mut(), fields) {
+        o.extend(f);
+    }
+}
+
 /// Reads a JSON file.
 pub fn read_json(path: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path).map_err(io(format!("reading {}", path.display())))?;

@@ -80,7 +80,6 @@ use super::{
 use crate::error::{DriverError, Result};
 use crate::records::MeasureRow;
 use candle_core::Tensor;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::IsTerminal;
@@ -962,18 +961,6 @@ fn skip_rows(run: &str, model: &str, skips: &[&SkipRecord]) -> Vec<MeasureRow> {
         .collect()
 }
 
-fn progress(len: usize, prefix: String) -> ProgressBar {
-    let bar = ProgressBar::new(len as u64);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{prefix} {bar:30} {pos}/{len} pairs {per_sec} eta {eta} {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_prefix(prefix);
-    bar
-}
-
 /// Reads the phase-1 delta files of the contexts that have pairs.
 fn read_deltas(rd: &RunDir, plan: &ModeDPlan) -> Result<DeltaTable> {
     let mut table = DeltaTable::new();
@@ -1123,33 +1110,8 @@ pub fn run(
         + (plan.pairs.len() * (mcfg.n_layers + 1) * mcfg.d_model * 4) as u64
         + 16 * 1024 * 1024;
     crate::sweep::check_writable_in(&dir, "units", need)?;
-    let t_load = Instant::now();
-    let ck = tolerable_fetch::load(&cfg.run.model, precision, &candle_core::Device::Cpu)?;
-    tracing::info!(
-        "loaded {} in {:.1} s (sha256 {})",
-        cfg.run.model,
-        t_load.elapsed().as_secs_f64(),
-        ck.sha256.as_deref().unwrap_or("not hashed")
-    );
     // Gates first: nothing is written if one fails.
-    let t_gates = Instant::now();
-    let gates = crate::gates::run_all(&ck, false)?;
-    tracing::info!(
-        "gates {} in {:.1} s",
-        if gates["passed"] == true {
-            "passed"
-        } else {
-            "FAILED"
-        },
-        t_gates.elapsed().as_secs_f64()
-    );
-    if gates["passed"] != true {
-        return Err(DriverError::Gate(format!(
-            "{} failed the verification gates; nothing was written: {}",
-            cfg.run.model,
-            serde_json::to_string(&gates).unwrap_or_default()
-        )));
-    }
+    let (ck, gates) = super::load_gated(cfg, precision)?;
     let model = &ck.model;
     let run_name = cfg.run.name.as_str();
     let mut invocations = rd.invocations();
@@ -1178,39 +1140,23 @@ pub fn run(
         .ok()
         .map(|v| v["oracle"].clone())
         .filter(|v| !v.is_null());
-    let mut meta = serde_json::json!({
-        "name": cfg.run.name,
-        "kind": "measure",
-        "measurement": "mode_d",
-        "config_hash": hash,
-        "config_file": config_path.display().to_string(),
-        "config": cfg,
-        "model": {
-            "id": cfg.run.model,
-            "sha256": ck.sha256,
-            "sha256_verified": ck.sha256.is_some(),
-            "path": ck.path.display().to_string(),
-            "precision": cfg.run.precision,
-            "config": model.config(),
-        },
-        "git_revision": crate::sweep::git_revision(),
-        "build_revision": super::build_revision(),
-        "seeds": { "edits": cfg.run.seed },
-        "corpus": {
-            "source": plan.source,
-            "contexts": plan.contexts.iter().map(|c| c.name.clone()).collect::<Vec<_>>(),
-            "pairs": plan.pairs.len(),
-        },
-        "injection_layers": plan.layers,
-        "pairs": pairs_meta,
-        "skipped": plan.skips,
-        "gates": gates,
-        "oracle": previous_oracle.unwrap_or_else(|| serde_json::json!({ "status": "pending" })),
-        "flops": "see tolerable_driver::measure::FlopModel: per token at position p and block, 2·d·(n_h + 2·n_kv)·h_d + 2·n_h·h_d·d + 6·d·d_ffn + 4·n_h·h_d·(p + 1); the head 2·d·V per logit position (the last one)",
-        "threads": candle_core::utils::get_num_threads(),
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "invocations": invocations,
-    });
+    let mut meta = super::run_meta(cfg, config_path, &ck, &gates, invocations);
+    super::extend_meta(
+        &mut meta,
+        serde_json::json!({
+            "seeds": { "edits": cfg.run.seed },
+            "corpus": {
+                "source": plan.source,
+                "contexts": plan.contexts.iter().map(|c| c.name.clone()).collect::<Vec<_>>(),
+                "pairs": plan.pairs.len(),
+            },
+            "injection_layers": plan.layers,
+            "pairs": pairs_meta,
+            "skipped": plan.skips,
+            "oracle": previous_oracle.unwrap_or_else(|| serde_json::json!({ "status": "pending" })),
+            "flops": "see tolerable_driver::measure::FlopModel: per token at position p and block, 2·d·(n_h + 2·n_kv)·h_d + 2·n_h·h_d·d + 6·d·d_ffn + 4·n_h·h_d·(p + 1); the head 2·d·V per logit position (the last one)",
+        }),
+    );
     rd.write_meta(&meta)?;
     let headless = !std::io::stderr().is_terminal();
     let mut computed: BTreeSet<String> = BTreeSet::new();
@@ -1230,7 +1176,7 @@ pub fn run(
         })
         .collect();
     let n1: usize = todo1.iter().map(|c| plan.pairs_of(&c.name).count()).sum();
-    let bar = progress(n1, format!("mode D oracle {run_name}"));
+    let bar = super::progress(n1, format!("mode D oracle {run_name}"), "pairs");
     for ctx in &todo1 {
         bar.set_message(ctx.name.clone());
         let mut deltas = BTreeMap::new();
@@ -1314,7 +1260,7 @@ pub fn run(
         );
     }
     let n2: usize = todo2.iter().map(|c| plan.pairs_of(&c.name).count()).sum();
-    let bar = progress(n2, format!("mode D {run_name}"));
+    let bar = super::progress(n2, format!("mode D {run_name}"), "pairs");
     let t_run = Instant::now();
     let mut done = 0usize;
     for ctx in &todo2 {
