@@ -212,6 +212,7 @@ pub fn bank(
         senders: &BTreeMap::new(),
         deps: &deps,
         holders: &BTreeMap::new(),
+        scratch: &Default::default(),
     };
     let t = Instant::now();
     let train = spec.training_items(&cx.train)?;

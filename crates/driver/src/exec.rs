@@ -39,6 +39,12 @@ pub struct Prepared {
     pub cache: KvCache,
     /// What they measured.
     pub measures: Measures,
+    /// The hooks the question and decoding run with (a bridge's adapters;
+    /// empty for most arms).
+    pub question: HookSpec,
+    /// Arms whose question hooks are equal share this key (they may decode
+    /// as one batch).
+    pub question_key: String,
 }
 
 /// Everything an arm's execution reads on one item.
@@ -66,8 +72,8 @@ pub fn mix(seed: u64, parts: &[u64]) -> u64 {
     h
 }
 
-/// A stable 64-bit key of an arm's name (FNV-1a), for seeds.
-fn name_key(name: &str) -> u64 {
+/// A stable 64-bit key of a name (an arm's, an item's id; FNV-1a), for seeds.
+pub(crate) fn name_key(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
     })
@@ -314,6 +320,17 @@ pub fn prepare(program: &ArmProgram, cx: &ItemCx) -> Result<Prepared> {
             }
         }
     }
+    // A bridge's adapters run the question and decoding.
+    let (question, question_key) = match &program.bridge {
+        Some((name, init)) => {
+            let v = cx.resources.get(name).ok_or_else(|| {
+                DriverError::Records(format!("internal: bridge `{name}` was not built"))
+            })?;
+            let b: &crate::resources::BridgeValue = crate::resources::bank::downcast(v, "bridge")?;
+            (b.spec(*init), format!("bridge {name} init={init}"))
+        }
+        None => (HookSpec::new(), String::new()),
+    };
     Ok(Prepared {
         cache,
         measures: Measures {
@@ -322,5 +339,7 @@ pub fn prepare(program: &ArmProgram, cx: &ItemCx) -> Result<Prepared> {
             logit_correlation: mean(&corr),
             n_sites,
         },
+        question,
+        question_key,
     })
 }

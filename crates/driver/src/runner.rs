@@ -10,7 +10,6 @@ use crate::error::Result;
 use crate::exec::{prepare, ItemCx, Measures, Prepared};
 use crate::passes::item_passes_with;
 use crate::plan::Plan;
-use crate::resources::BridgeValue;
 use crate::resources::Value;
 use crate::transforms::Memo;
 use candle_core::Tensor;
@@ -18,7 +17,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 use tolerable_probe::ContextPair;
 use tolerable_runtime::gates::bit_equal;
-use tolerable_runtime::{GreedyOptions, HookSpec, KvCache, Model, Tokenizer};
+use tolerable_runtime::{GreedyOptions, KvCache, Model, Tokenizer};
 
 /// What one arm produced on one item.
 #[derive(Debug, Clone)]
@@ -172,10 +171,10 @@ impl<'a> Runner<'a> {
         for (a, (p, _)) in prepared.iter().enumerate() {
             let key = match self.batching {
                 Batching::Batched => format!(
-                    "{}:{:?}:{:?}",
+                    "{}:{:?}:{}",
                     p.cache.len(),
                     p.cache.segments(),
-                    self.plan.programs[a].bridge
+                    p.question_key
                 ),
                 Batching::OneAtATime => format!("arm{a:06}"),
             };
@@ -187,22 +186,11 @@ impl<'a> Runner<'a> {
             let refs: Vec<&KvCache> = members.iter().map(|&a| &prepared[a].0.cache).collect();
             let mut cache = KvCache::stack(&refs)?;
             let prompt = vec![pair.suffix.clone(); members.len()];
-            let spec = match &self.plan.programs[members[0]].bridge {
-                Some((name, init)) => {
-                    let v = self.resources.get(name).ok_or_else(|| {
-                        crate::error::DriverError::Records(format!(
-                            "internal: bridge `{name}` was not built"
-                        ))
-                    })?;
-                    let b: &BridgeValue = crate::resources::bank::downcast(v, "bridge")?;
-                    b.spec(*init)
-                }
-                None => HookSpec::new(),
-            };
-            let greedy = self.greedy.clone().with_adapters(&spec);
+            let spec = &prepared[members[0]].0.question;
+            let greedy = self.greedy.clone().with_adapters(spec);
             let gen = self
                 .model
-                .generate_with(&prompt, &mut cache, &spec, &greedy)?;
+                .generate_with(&prompt, &mut cache, spec, &greedy)?;
             let spent = t0.elapsed().as_secs_f64();
             timing.decode_s += spent;
             let share = spent / members.len() as f64;

@@ -297,6 +297,7 @@ pub fn obtain_resources(
     let cfg = ck.model.config();
     let mut values: BTreeMap<String, Value> = BTreeMap::new();
     let mut info: BTreeMap<String, ObtainedResource> = BTreeMap::new();
+    let scratch = crate::resources::Scratch::default();
     let holder_sha: BTreeMap<String, String> = holders
         .iter()
         .map(|(id, h)| (id.clone(), h.sha256.clone()))
@@ -336,6 +337,7 @@ pub fn obtain_resources(
                     senders,
                     deps: &values,
                     holders,
+                    scratch: &scratch,
                 };
                 let t0 = Instant::now();
                 let v = kind.build(&cx, &r.items)?;
@@ -368,6 +370,37 @@ pub fn obtain_resources(
         );
     }
     Ok((values, info))
+}
+
+/// What `run.json` records of obtained resources: per resource its spec,
+/// content hash, how it was obtained, build seconds, training item ids and
+/// its kind's summary (a bridge's training curve).
+pub(crate) fn resources_meta(
+    specs: &[(String, crate::resources::ResourceSpec)],
+    values: &BTreeMap<String, Value>,
+    obtained: &BTreeMap<String, ObtainedResource>,
+) -> serde_json::Map<String, serde_json::Value> {
+    specs
+        .iter()
+        .filter_map(|(name, spec)| {
+            let o = obtained.get(name)?;
+            Some((
+                name.clone(),
+                serde_json::json!({
+                    "kind": spec.kind().kind(),
+                    "spec": spec,
+                    "hash": o.hash,
+                    "obtained": o.obtained,
+                    "build_seconds": o.build_seconds,
+                    "training_items": o.items,
+                    "summary": values
+                        .get(name)
+                        .map(|v| spec.kind().summary(v))
+                        .unwrap_or(serde_json::Value::Null),
+                }),
+            ))
+        })
+        .collect()
 }
 
 /// The plan of a config, as `--dry-run` prints it: compiled against the
@@ -706,27 +739,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             .map(|d| d.as_secs())
             .unwrap_or(0),
     }));
-    let resources_meta: serde_json::Map<String, serde_json::Value> = plan
-        .resources
-        .iter()
-        .map(|(name, spec)| {
-            let o = &obtained[name];
-            (
-                name.clone(),
-                serde_json::json!({
-                    "spec": spec,
-                    "hash": o.hash,
-                    "obtained": o.obtained,
-                    "build_seconds": o.build_seconds,
-                    "training_items": o.items,
-                    "summary": resources
-                        .get(name)
-                        .map(|v| spec.kind().summary(v))
-                        .unwrap_or(serde_json::Value::Null),
-                }),
-            )
-        })
-        .collect();
+    let resources_meta = resources_meta(&plan.resources, &resources, &obtained);
     let meta = serde_json::json!({
         "name": cfg.run.name,
         "config_hash": hash,

@@ -226,22 +226,6 @@ fn proj_name(p: Projection) -> &'static str {
     }
 }
 
-/// Seeded uniform values in `[-bound, bound)` (SplitMix64), for A.
-fn uniform(n: usize, bound: f64, seed: u64) -> Vec<f32> {
-    let mut s = seed ^ 0xB81D_6E00_0000_0001;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            let u = (z >> 11) as f64 / (1u64 << 53) as f64;
-            ((2.0 * u - 1.0) * bound) as f32
-        })
-        .collect()
-}
-
 /// A training or slice example: the prepared cache, the question, the
 /// gold answer's first token.
 struct Example {
@@ -250,13 +234,17 @@ struct Example {
     target: u32,
 }
 
+/// The examples of `items` under the training arm; bridges trained under
+/// the same arm on the same items in one invocation share them (`scratch`).
 fn examples(
-    model: &Model,
+    cx: &BuildCx,
+    spec: &BridgeSpec,
     plan: &crate::plan::Plan,
     items: &[SplitItem],
-    tokenizer: &tolerable_runtime::Tokenizer,
     what: &str,
-) -> Result<Vec<Example>> {
+) -> Result<Vec<Arc<Example>>> {
+    let (model, tokenizer) = (cx.model, cx.train.tokenizer);
+    let arm_key = serde_json::to_string(&spec.arm).unwrap_or_default();
     let program = plan
         .programs
         .iter()
@@ -275,15 +263,44 @@ fn examples(
     );
     let mut out = Vec::with_capacity(items.len());
     for (i, it) in items.iter().enumerate() {
+        let key = format!("bridge example {arm_key} {i} {}", it.item.id);
+        let v = cx.scratch.get_or_make(&key, || {
+            Ok(Arc::new(example(
+                model, plan, program, it, i, tokenizer, &none, &senders,
+            )?))
+        })?;
+        out.push(v.downcast::<Example>().map_err(|_| {
+            DriverError::Records(format!("internal: scratch `{key}` is not an example"))
+        })?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(out)
+}
+
+/// One training example: the item's passes, the training arm's cache, the
+/// gold answer's first token.
+#[allow(clippy::too_many_arguments)]
+fn example(
+    model: &Model,
+    plan: &crate::plan::Plan,
+    program: &crate::plan::ArmProgram,
+    it: &SplitItem,
+    i: usize,
+    tokenizer: &tolerable_runtime::Tokenizer,
+    none: &BTreeMap<String, Value>,
+    senders: &BTreeMap<String, Model>,
+) -> Result<Example> {
+    {
         let pair = it.pair();
-        let passes = crate::passes::item_passes(model, &pair, &[], &plan.needs, &senders)?;
+        let passes = crate::passes::item_passes(model, &pair, &[], &plan.needs, senders)?;
         let memo = crate::transforms::Memo::default();
         let cx = crate::exec::ItemCx {
             model,
             passes: &passes,
             index: i,
             seed: 0,
-            resources: &none,
+            resources: none,
             memo: &memo,
         };
         let prepared = crate::exec::prepare(program, &cx)?;
@@ -296,15 +313,12 @@ fn examples(
             .ok_or_else(|| {
                 DriverError::Config(format!("training item {}: an empty answer", it.item.id))
             })?;
-        out.push(Example {
+        Ok(Example {
             cache: prepared.cache,
             question: pair.suffix.clone(),
             target,
-        });
-        bar.inc(1);
+        })
     }
-    bar.finish_and_clear();
-    Ok(out)
 }
 
 /// The adapters of `vars`: live (gradients flow into the variables), or a
@@ -355,7 +369,7 @@ fn score(model: &Model, ex: &Example, spec: &HookSpec) -> Result<(Tensor, bool)>
     Ok((loss, hit))
 }
 
-fn slice_scores(model: &Model, slice: &[Example], spec: &HookSpec) -> Result<(f64, f64)> {
+fn slice_scores(model: &Model, slice: &[Arc<Example>], spec: &HookSpec) -> Result<(f64, f64)> {
     let (mut loss, mut hits) = (0.0, 0usize);
     for ex in slice {
         let (l, h) = score(model, ex, spec)?;
@@ -399,10 +413,11 @@ impl ResourceKind for BridgeSpec {
                 self.alpha
             ));
         }
-        if self.train_items == 0 || self.slice_items == 0 || self.epochs == 0 {
+        super::check_training(field, self.train_items, self.data, "bridges are")?;
+        if self.slice_items == 0 || self.epochs == 0 {
             return err(format!(
-                "train_items, slice_items and epochs must be at least 1 (got {}, {}, {})",
-                self.train_items, self.slice_items, self.epochs
+                "slice_items and epochs must be at least 1 (got {}, {})",
+                self.slice_items, self.epochs
             ));
         }
         if !(self.lr.is_finite()
@@ -414,9 +429,6 @@ impl ResourceKind for BridgeSpec {
                 "lr {} / weight_decay {}: lr above zero, weight decay at least zero",
                 self.lr, self.weight_decay
             ));
-        }
-        if self.data == DataSource::SquadDev {
-            return err("data: `squad_dev`: bridges are trained on training items (squad_train or synthetic)".into());
         }
         let layers = self
             .layers
@@ -457,14 +469,8 @@ impl ResourceKind for BridgeSpec {
             )));
         }
         let (train_items, slice_items) = items.split_at(self.train_items);
-        let train = examples(model, &plan, train_items, cx.train.tokenizer, "training")?;
-        let slice = examples(
-            model,
-            &plan,
-            &slice_items[..self.slice_items],
-            cx.train.tokenizer,
-            "slice",
-        )?;
+        let train = examples(cx, self, &plan, train_items, "training")?;
+        let slice = examples(cx, self, &plan, &slice_items[..self.slice_items], "slice")?;
         // Adapters: A uniform in ±1/sqrt(d) (seeded), B zero.
         let layers = self.layers.resolve(cfg.n_layers, &field)?;
         let hd = cfg.head_dim;
@@ -477,7 +483,7 @@ impl ResourceKind for BridgeSpec {
                 };
                 let seed = crate::exec::mix(self.seed, &[l as u64, p as u64]);
                 let a = Tensor::from_vec(
-                    uniform(
+                    tolerable_carrier::uniform_symmetric(
                         cfg.d_model * self.rank,
                         1.0 / (cfg.d_model as f64).sqrt(),
                         seed,

@@ -166,25 +166,8 @@ impl ResourceKind for KeyPairsSpec {
                 )))
             }
         }
-        if self.train_items == 0 {
-            return Err(DriverError::Config(format!(
-                "{field}.train_items: at least 1 training item is needed"
-            )));
-        }
-        if self.data == DataSource::SquadDev {
-            return Err(DriverError::Config(format!(
-                "{field}.data: `squad_dev`: maps are fitted on training items (squad_train or synthetic), never on the evaluation split"
-            )));
-        }
-        if !matches!(
-            self.positions,
-            Positions::FactRegion | Positions::Passage | Positions::All
-        ) {
-            return Err(DriverError::Config(format!(
-                "{field}.positions: `{}`: training rows come from `fact_region`, `passage` or `all`",
-                self.positions.name()
-            )));
-        }
+        super::check_training(field, self.train_items, self.data, "maps are")?;
+        super::check_row_positions(field, &self.positions)?;
         Ok(())
     }
 

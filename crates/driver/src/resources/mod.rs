@@ -106,6 +106,28 @@ pub struct BuildCx<'a> {
     pub deps: &'a BTreeMap<String, Value>,
     /// Cross-family holders of the plan by model id, loaded.
     pub holders: &'a BTreeMap<String, crate::cross::CrossHolder>,
+    /// Work shared by the resources built in one invocation (the training
+    /// caches of bridges trained under the same arm on the same items).
+    pub scratch: &'a Scratch,
+}
+
+/// Work shared between resource builds of one invocation, by key.
+#[derive(Default)]
+pub struct Scratch(std::sync::Mutex<std::collections::HashMap<String, Value>>);
+
+impl Scratch {
+    /// The value under `key`, computed by `make` the first time.
+    pub fn get_or_make(&self, key: &str, make: impl FnOnce() -> Result<Value>) -> Result<Value> {
+        if let Some(v) = self.0.lock().expect("scratch lock").get(key) {
+            return Ok(v.clone());
+        }
+        let v = make()?;
+        self.0
+            .lock()
+            .expect("scratch lock")
+            .insert(key.to_string(), v.clone());
+        Ok(v)
+    }
 }
 
 /// The evaluation items a resource must not be fitted on.
@@ -206,6 +228,47 @@ pub struct HashInputs<'a> {
     pub items: &'a [SplitItem],
     /// The content hashes of the resources it is fitted on.
     pub deps: &'a BTreeMap<String, String>,
+}
+
+/// What every resource fitted on training rows checks: at least one
+/// training item, none from the evaluation split (`what` says what is
+/// fitted, for the message).
+pub(crate) fn check_training(
+    field: &str,
+    train_items: usize,
+    data: DataSource,
+    what: &str,
+) -> Result<()> {
+    if train_items == 0 {
+        return Err(DriverError::Config(format!(
+            "{field}.train_items: at least 1 training item is needed"
+        )));
+    }
+    if data == DataSource::SquadDev {
+        return Err(DriverError::Config(format!(
+            "{field}.data: `squad_dev`: {what} fitted on training items (squad_train or synthetic), never on the evaluation split"
+        )));
+    }
+    Ok(())
+}
+
+/// The positions a resource takes training rows from: `fact_region`,
+/// `passage` or `all`.
+pub(crate) fn check_row_positions(
+    field: &str,
+    positions: &tolerable_carrier::Positions,
+) -> Result<()> {
+    use tolerable_carrier::Positions;
+    if !matches!(
+        positions,
+        Positions::FactRegion | Positions::Passage | Positions::All
+    ) {
+        return Err(DriverError::Config(format!(
+            "{field}.positions: `{}`: training rows come from `fact_region`, `passage` or `all`",
+            positions.name()
+        )));
+    }
+    Ok(())
 }
 
 /// The content hash of a resource (16 hex digits): its kind's build
