@@ -269,6 +269,10 @@ pub struct ObtainedResource {
     pub build_seconds: f64,
     /// Training items it was fitted on.
     pub items: Vec<String>,
+    /// Why a cached copy was not used (when it was rebuilt): another
+    /// model, another spec, a checksum that does not match, or a value that
+    /// does not fit the receiver (an adapter of another rank or width).
+    pub rejected: Option<String>,
 }
 
 /// The sha256 a run's resource hashes use for its receiver: the hash
@@ -306,22 +310,22 @@ pub fn obtain_resources(
         let (name, spec, hash) = (&r.name, &r.spec, &r.hash);
         let kind = spec.kind();
         let ids: Vec<String> = r.items.iter().map(|i| i.item.id.clone()).collect();
-        let (value, obtained, secs) = match store.load(spec, hash, &model_sha, cfg)? {
+        let (value, obtained, secs, rejected) = match store.load(spec, hash, &model_sha, cfg)? {
             Ok((v, meta)) => {
                 tracing::info!(
                     "resource `{name}` ({}) loaded from the cache ({hash})",
                     kind.describe()
                 );
-                (v, Obtained::Cached, meta.build_seconds)
+                (v, Obtained::Cached, meta.build_seconds, None)
             }
             Err(why) => {
-                let obtained = if why == "absent" {
-                    Obtained::Built
+                let (obtained, rejected) = if why == "absent" {
+                    (Obtained::Built, None)
                 } else {
                     tracing::warn!(
                         "resource `{name}`: the cached copy is not used: {why}; rebuilding"
                     );
-                    Obtained::Rebuilt
+                    (Obtained::Rebuilt, Some(why))
                 };
                 tracing::info!(
                     "building resource `{name}` ({}) on {} training items",
@@ -355,7 +359,7 @@ pub fn obtain_resources(
                     },
                 )?;
                 tracing::info!("resource `{name}` built in {secs:.1} s ({hash})");
-                (v, obtained, secs)
+                (v, obtained, secs, rejected)
             }
         };
         values.insert(name.clone(), value);
@@ -366,6 +370,7 @@ pub fn obtain_resources(
                 obtained,
                 build_seconds: secs,
                 items: ids,
+                rejected,
             },
         );
     }
@@ -391,6 +396,7 @@ pub(crate) fn resources_meta(
                     "spec": spec,
                     "hash": o.hash,
                     "obtained": o.obtained,
+                    "rejected_cache": o.rejected,
                     "build_seconds": o.build_seconds,
                     "training_items": o.items,
                     "summary": values

@@ -3,6 +3,7 @@
 //! independent reader (the `parquet` crate), summaries and reports.
 
 use parquet::file::reader::{FileReader, SerializedFileReader};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tolerable_driver::sweep::{self, SweepOptions};
 use tolerable_testkit::tiny::{write_gguf, TinySpec};
@@ -1245,6 +1246,206 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
         assert!(e.contains(want), "{want}: {e}");
         assert!(!dir.path().join("bad/run.json").exists());
     }
+}
+
+/// The continuations of `arm` per item, over every cell of a run.
+fn continuations(out: &Path, arm: &str) -> BTreeMap<String, String> {
+    let mut by_item = BTreeMap::new();
+    for cell in std::fs::read_dir(out.join("items")).unwrap() {
+        let (names, rows) = rows(&cell.unwrap().path());
+        let arms = col(&names, &rows, "arm");
+        let items = col(&names, &rows, "item_id");
+        let conts = col(&names, &rows, "continuation");
+        for i in 0..arms.len() {
+            if arms[i] == arm {
+                by_item.insert(items[i].clone(), conts[i].clone());
+            }
+        }
+    }
+    by_item
+}
+
+fn run_json(out: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn a_non_finite_loss_stops_training_and_an_adapter_that_does_not_fit_is_never_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = bridge_config(dir.path(), &model, 2);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let cache = dir.path().join("resources");
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    let write = |name: &str, t: String| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, t).unwrap();
+        p
+    };
+
+    // A learning rate that blows the adapters up after the first step: the
+    // second step's loss is not finite, training stops there and keeps
+    // epoch 0 (B = 0), so the bridged arm is the raw arm on every item.
+    assert!(text.contains("lr = 0.01"));
+    let blown = write("blown.toml", text.replace("lr = 0.01", "lr = 1e38"));
+    sweep::run(&blown, &opts("blown")).unwrap();
+    let qb = &run_json(&dir.path().join("blown"))["resources"]["qb"];
+    let stopped = &qb["summary"]["stopped"];
+    assert_eq!(stopped["epoch"], 1, "{qb}");
+    assert_eq!(stopped["step"], 2, "{qb}");
+    assert_eq!(qb["summary"]["best_epoch"], 0, "{qb}");
+    assert_eq!(qb["summary"]["curve"].as_array().unwrap().len(), 1, "{qb}");
+    let raw = continuations(&dir.path().join("blown"), "kv_augment");
+    assert_eq!(raw.len(), 3);
+    assert_eq!(continuations(&dir.path().join("blown"), "kv_bridge"), raw);
+    // The stop survives the cache.
+    sweep::run(&blown, &opts("blown2")).unwrap();
+    let again = &run_json(&dir.path().join("blown2"))["resources"]["qb"];
+    assert_eq!(again["obtained"], "cached");
+    assert_eq!(again["summary"], qb["summary"]);
+
+    // A cached adapter of another rank (rank 2 copied over the rank-4
+    // bridge's value, its checksum made to match) is refused by name and
+    // rebuilt; so is one recorded for another model.
+    let one = write("one.toml", text.replace("epochs = 2", "epochs = 1"));
+    let two = write(
+        "two.toml",
+        text.replace("epochs = 2", "epochs = 1")
+            .replace("rank = 4", "rank = 2"),
+    );
+    sweep::run(&one, &opts("one")).unwrap();
+    sweep::run(&two, &opts("two")).unwrap();
+    let folder = |out: &str| {
+        let hash = run_json(&dir.path().join(out))["resources"]["qb"]["hash"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        cache.join(format!("bridge-{hash}"))
+    };
+    let (f4, f2) = (folder("one"), folder("two"));
+    assert_ne!(f4, f2);
+    std::fs::copy(f2.join("value.safetensors"), f4.join("value.safetensors")).unwrap();
+    let meta_path = f4.join("meta.json");
+    let mut meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&meta_path).unwrap()).unwrap();
+    meta["value_sha256"] =
+        tolerable_driver::resources::store::file_sha256(&f4.join("value.safetensors"))
+            .unwrap()
+            .into();
+    std::fs::write(&meta_path, meta.to_string()).unwrap();
+    sweep::run(&one, &opts("rank")).unwrap();
+    let qb = &run_json(&dir.path().join("rank"))["resources"]["qb"];
+    assert_eq!(qb["obtained"], "rebuilt", "{qb}");
+    let why = qb["rejected_cache"].as_str().unwrap();
+    assert!(
+        why.contains("the receiver needs") && why.contains(", 4]"),
+        "{why}"
+    );
+
+    let mut meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&meta_path).unwrap()).unwrap();
+    meta["model_sha256"] = "0".repeat(64).into();
+    std::fs::write(&meta_path, meta.to_string()).unwrap();
+    sweep::run(&one, &opts("model")).unwrap();
+    let qb = &run_json(&dir.path().join("model"))["resources"]["qb"];
+    assert_eq!(qb["obtained"], "rebuilt", "{qb}");
+    assert!(
+        qb["rejected_cache"]
+            .as_str()
+            .unwrap()
+            .contains("was built for model"),
+        "{qb}"
+    );
+    // The rebuilt copy is used from then on.
+    sweep::run(&one, &opts("after")).unwrap();
+    assert_eq!(
+        run_json(&dir.path().join("after"))["resources"]["qb"]["obtained"],
+        "cached"
+    );
+}
+
+/// A SQuAD v1.1 file of `n` one-question articles (distinct passages and
+/// answers), for runs that evaluate and train on the same split.
+fn tiny_squad(dir: &Path, n: usize) -> PathBuf {
+    let colours = [
+        "red", "blue", "green", "amber", "violet", "grey", "white", "black", "olive", "teal",
+    ];
+    let data: Vec<serde_json::Value> = (0..n)
+        .map(|i| {
+            let answer = format!("{} {i}", colours[i % colours.len()]);
+            serde_json::json!({
+                "title": format!("Article {i}"),
+                "paragraphs": [{
+                    "context": format!("The door of house {i} was painted {answer} in spring. Nobody else on the street chose it."),
+                    "qas": [{
+                        "id": format!("q{i}"),
+                        "question": format!("What colour was the door of house {i}?"),
+                        "answers": [{ "text": answer, "answer_start": 0 }],
+                    }],
+                }],
+            })
+        })
+        .collect();
+    let p = dir.join("train-tiny.json");
+    std::fs::write(
+        &p,
+        serde_json::json!({ "version": "1.1", "data": data }).to_string(),
+    )
+    .unwrap();
+    p
+}
+
+#[test]
+fn a_bridge_never_trains_on_an_evaluation_item_of_the_same_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let squad = tiny_squad(dir.path(), 8);
+    let text = std::fs::read_to_string(bridge_config(dir.path(), &model, 1))
+        .unwrap()
+        .replace("source = \"synthetic\"", "source = \"squad_train\"")
+        .replace("data = \"synthetic\"", "data = \"squad_train\"")
+        .replace(
+            "train_items = 4\nslice_items = 2",
+            "train_items = 4\nslice_items = 1",
+        );
+    let cfg = dir.path().join("same-split.toml");
+    std::fs::write(&cfg, &text).unwrap();
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(dir.path().join("resources")),
+        data: BTreeMap::from([("squad_train".to_string(), squad.clone())]),
+        ..Default::default()
+    };
+    sweep::run(&cfg, &opts("a")).unwrap();
+    let out = dir.path().join("a");
+    let eval: std::collections::BTreeSet<String> =
+        continuations(&out, "kv_augment").into_keys().collect();
+    assert_eq!(eval.len(), 3);
+    let trained: Vec<String> = run_json(&out)["resources"]["qb"]["training_items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(trained.len(), 5);
+    assert!(
+        trained.iter().all(|id| !eval.contains(id)),
+        "{trained:?} vs {eval:?}"
+    );
+    // Six training items asked of the five that are not evaluated: named,
+    // before any record.
+    let bad = dir.path().join("too-many.toml");
+    std::fs::write(&bad, text.replace("train_items = 4\n", "train_items = 5\n")).unwrap();
+    let e = sweep::run(&bad, &opts("b")).unwrap_err().to_string();
+    assert!(
+        e.contains("[resources.qb]") && e.contains("training items"),
+        "{e}"
+    );
+    assert!(!dir.path().join("b/run.json").exists());
 }
 
 /// A cross-family config: a receiver (the tiny Qwen2-style model) and a

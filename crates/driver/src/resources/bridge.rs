@@ -19,6 +19,10 @@
 //! zero-init gate: an arm with `bridge = { resource, init = true }` and
 //! `expect = { arm = "<raw arm>" }`).
 //!
+//! A non-finite loss (a training step's, or the slice's after an epoch)
+//! stops training: the log and `run.json` name the epoch and step, and the
+//! best epoch before it is kept.
+//!
 //! The value holds the kept adapters, the initial ones and the training
 //! curve (epoch, mean training loss, slice loss, slice first-token
 //! accuracy), which `run.json` records.
@@ -205,6 +209,10 @@ pub struct BridgeValue {
     pub curve: Vec<[f64; 4]>,
     /// The kept epoch.
     pub best_epoch: usize,
+    /// Where training stopped early on a non-finite loss: the epoch and the
+    /// step within it (1-based); the kept adapters are the best epoch's
+    /// before it.
+    pub stopped: Option<(usize, usize)>,
 }
 
 impl BridgeValue {
@@ -518,7 +526,8 @@ impl ResourceKind for BridgeSpec {
             "{field}: epoch 0 (B = 0): slice loss {l0:.3}, first-token accuracy {a0:.3}"
         );
         let mut order: Vec<usize> = (0..train.len()).collect();
-        for epoch in 1..=self.epochs {
+        let mut stopped = None;
+        'epochs: for epoch in 1..=self.epochs {
             let mut rng = tolerable_probe::rng::Rng::new(crate::exec::mix(
                 self.seed,
                 &[epoch as u64, 0xE90C],
@@ -533,10 +542,20 @@ impl ResourceKind for BridgeSpec {
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
             let mut total = 0.0;
-            for &i in &order {
+            for (step, &i) in order.iter().enumerate() {
                 let spec = HookSpec::new().adapt_all(adapters_of(&vars, scale, false)?);
                 let (loss, _) = score(&diff, &train[i], &spec)?;
-                total += loss.to_scalar::<f32>()? as f64;
+                let value = loss.to_scalar::<f32>()? as f64;
+                if !value.is_finite() {
+                    bar.finish_and_clear();
+                    tracing::warn!(
+                        "{field}: training stopped at epoch {epoch}, step {}: the loss is {value}; the adapters of epoch {best_epoch} are kept",
+                        step + 1
+                    );
+                    stopped = Some((epoch, step + 1));
+                    break 'epochs;
+                }
+                total += value;
                 opt.backward_step(&loss)?;
                 bar.inc(1);
                 bar.set_message(format!("{:.3}", total / bar.position() as f64));
@@ -547,6 +566,13 @@ impl ResourceKind for BridgeSpec {
             let mean = total / order.len() as f64;
             tracing::info!("{field}: epoch {epoch}: training loss {mean:.3}, slice loss {sl:.3}, first-token accuracy {sa:.3}");
             curve.push([epoch as f64, mean, sl, sa]);
+            if !sl.is_finite() {
+                tracing::warn!(
+                    "{field}: training stopped after epoch {epoch}: the slice loss is {sl}; the adapters of epoch {best_epoch} are kept"
+                );
+                stopped = Some((epoch, order.len()));
+                break;
+            }
             if (sa, -sl) > best {
                 best = (sa, -sl);
                 best_epoch = epoch;
@@ -558,6 +584,7 @@ impl ResourceKind for BridgeSpec {
             init,
             curve,
             best_epoch,
+            stopped,
         }))
     }
 
@@ -580,6 +607,12 @@ impl ResourceKind for BridgeSpec {
             "best_epoch".into(),
             Tensor::new(&[v.best_epoch as u32], &Device::Cpu)?,
         );
+        if let Some((epoch, step)) = v.stopped {
+            map.insert(
+                "stopped".into(),
+                Tensor::new(&[epoch as u32, step as u32], &Device::Cpu)?,
+            );
+        }
         candle_core::safetensors::save(&map, path)?;
         Ok(())
     }
@@ -598,6 +631,19 @@ impl ResourceKind for BridgeSpec {
             .map(|r| [r[0], r[1], r[2], r[3]])
             .collect();
         let best_epoch = get("best_epoch")?.to_vec1::<u32>()?[0] as usize;
+        let stopped = match map.get("stopped") {
+            Some(t) => match t.to_vec1::<u32>()?[..] {
+                [epoch, step] => Some((epoch as usize, step as usize)),
+                _ => {
+                    return Err(DriverError::Records(format!(
+                        "{}: `stopped` holds {:?}, not [epoch, step]",
+                        path.display(),
+                        t.dims()
+                    )))
+                }
+            },
+            None => None,
+        };
         let scale = self.scale();
         let mut trained = Vec::new();
         let mut init = Vec::new();
@@ -635,6 +681,7 @@ impl ResourceKind for BridgeSpec {
             init,
             curve,
             best_epoch,
+            stopped,
         }))
     }
 
@@ -713,6 +760,7 @@ impl ResourceKind for BridgeSpec {
         match super::bank::downcast::<BridgeValue>(value, "bridge") {
             Ok(v) => serde_json::json!({
                 "best_epoch": v.best_epoch,
+                "stopped": v.stopped.map(|(epoch, step)| serde_json::json!({ "epoch": epoch, "step": step, "why": "non-finite loss" })),
                 "curve": v.curve.iter().map(|r| serde_json::json!({
                     "epoch": r[0],
                     "train_loss": if r[1].is_finite() { serde_json::json!(r[1]) } else { serde_json::Value::Null },
