@@ -6,7 +6,9 @@
 //! banks of genuine keys ([`bank`]: nearest genuine neighbours) and codebooks
 //! fitted on them ([`codebook`]: k-means, PCA and random-subset codebooks,
 //! and snapping to them). How attention reads a key slot ([`readout`]:
-//! readout gains, their analytic bound, quantization against noise).
+//! readout gains, their analytic bound, quantization against noise). The
+//! per-token router over a pool of holders ([`router`]), whose maps a
+//! bridge trains.
 //!
 //! Everything here works on the runtime's values ([`KvCache`] and residual
 //! tensors `[batch, seq, d_model]`); which source fills a slot is the
@@ -24,6 +26,7 @@ pub mod inject;
 pub mod perturb;
 pub mod readout;
 mod rng;
+pub mod router;
 pub mod sites;
 
 pub use bank::{at_target_cosine, gather_rows, sample_rows, top_k_cosine, Neighbours};
@@ -33,4 +36,5 @@ pub use fidelity::{kv_fidelity, logit_correlation, mean_vector_cosine, site_cosi
 pub use inject::{append_kv, edit_kv, edit_resid, KvSites};
 pub use perturb::Perturbation;
 pub use rng::uniform_symmetric;
+pub use router::RouterLayer;
 pub use sites::{Carrier, Geometry, LayerSet, Mechanism, Positions};

@@ -119,9 +119,13 @@ fn source_value(
     achieved: &mut Vec<f64>,
 ) -> Result<(CarrierValue, Vec<usize>, Geometry)> {
     let g = &cx.passes.geometry;
-    let (mut value, sg) =
-        step.source
-            .provide(cx.passes, program.base, step.carrier, &step.layers)?;
+    let (mut value, sg) = step.source.provide(
+        cx.passes,
+        program.base,
+        step.carrier,
+        &step.layers,
+        cx.resources,
+    )?;
     // The sites the source holds: positions outside it keep the receiver's state.
     let have = match &value {
         CarrierValue::Kv(c) => c.len(),
@@ -327,7 +331,12 @@ pub fn prepare(program: &ArmProgram, cx: &ItemCx) -> Result<Prepared> {
                 DriverError::Records(format!("internal: bridge `{name}` was not built"))
             })?;
             let b: &crate::resources::BridgeValue = crate::resources::bank::downcast(v, "bridge")?;
-            (b.spec(*init), format!("bridge {name} init={init}"))
+            if b.trained.is_empty() {
+                // A router bridge acts on the pool; the question runs plain.
+                (HookSpec::new(), String::new())
+            } else {
+                (b.spec(*init), format!("bridge {name} init={init}"))
+            }
         }
         None => (HookSpec::new(), String::new()),
     };

@@ -307,7 +307,31 @@ fn compile_arm(
     };
     if let Some(b) = &arm.bridge {
         match cfg.resources.get(&b.resource) {
-            Some(ResourceSpec::Bridge(_)) => {}
+            Some(ResourceSpec::Bridge(spec)) => {
+                // A router bridge acts through a trained pool; adapters on
+                // the question.
+                let trained_pool = arm.inject.iter().any(|i| {
+                    matches!(&i.source, SourceSpec::Pool(p) if p.router == crate::arm::Router::Trained)
+                });
+                let router = spec.targets == crate::arm::BridgeTargets::Router;
+                if router != trained_pool {
+                    return Err(bad(
+                        arm,
+                        format!("{prefix}.bridge.resource"),
+                        if router {
+                            format!(
+                                "`{}` is a router bridge: the arm routes a pool with it (`source = {{ pool = {{ n, router = \"trained\" }} }}`)",
+                                b.resource
+                            )
+                        } else {
+                            format!(
+                                "`{}` holds adapters; a pool with router = \"trained\" needs a bridge of targets = \"router\"",
+                                b.resource
+                            )
+                        },
+                    ));
+                }
+            }
             Some(other) => {
                 return Err(bad(
                     arm,
@@ -709,8 +733,16 @@ fn compile_arm(
                         "a pool of appended caches is the sender pool of the trained bridges (PROTOCOL §7), not built yet; pools combine states for slot mechanisms",
                     ));
                 }
+                if p.router == crate::arm::Router::Trained && inj.carrier != Carrier::H {
+                    return Err(bad(
+                        arm,
+                        f("carrier"),
+                        "a trained router routes the activation carrier (`h`)",
+                    ));
+                }
+                let trained = arm.bridge.as_ref().map(|b| (b.resource.clone(), b.init));
                 Arc::new(
-                    PoolSource::new(p.n, p.router, p.members)
+                    PoolSource::new(p.n, p.router, p.members, trained)
                         .map_err(|why| bad(arm, f("source.pool"), why))?,
                 )
             }
@@ -929,7 +961,7 @@ impl Plan {
                 let _ = write!(
                     s,
                     ", bridge `{b}`{}",
-                    if *init { " (initial adapters)" } else { "" }
+                    if *init { " (as initialised)" } else { "" }
                 );
             }
             let _ = writeln!(s);

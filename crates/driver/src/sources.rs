@@ -12,6 +12,7 @@
 use crate::arm::Base;
 use crate::error::{DriverError, Result};
 use crate::passes::{ItemPasses, Pass, PassNeeds};
+use crate::resources::Value;
 use candle_core::Tensor;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -71,13 +72,15 @@ pub trait Source: fmt::Debug + Send + Sync {
     /// `carrier` at `layers` into an arm of base `base`.
     fn needs(&self, base: Base, carrier: Carrier, layers: &[usize], needs: &mut PassNeeds);
     /// The value at `layers`, and the geometry of the context it was read
-    /// from (a partner's differs from the item's).
+    /// from (a partner's differs from the item's); `resources` are the
+    /// run's (a trained router reads its bridge there).
     fn provide(
         &self,
         passes: &ItemPasses,
         base: Base,
         carrier: Carrier,
         layers: &[usize],
+        resources: &BTreeMap<String, Value>,
     ) -> Result<(CarrierValue, Geometry)>;
 }
 
@@ -149,6 +152,7 @@ impl Source for PassSource {
         base: Base,
         carrier: Carrier,
         layers: &[usize],
+        _resources: &BTreeMap<String, Value>,
     ) -> Result<(CarrierValue, Geometry)> {
         let (pass, geometry): (&Pass, Geometry) = match self.resolve(base) {
             PassRef::ArmBase => (&passes.base, passes.geometry.clone()),
@@ -178,21 +182,29 @@ impl Source for PassSource {
 /// passage, a control) and distractor holders (mis-source partners'
 /// passages), weighted by a router: `sum_i w_i h_i`. With a mechanism
 /// `add` and weight a, the receiver gets `h + a sum_i w_i h_i` at the sites.
+/// A trained router (PROTOCOL §7) weighs the holders per position from the
+/// receiver's own state ([`tolerable_carrier::RouterLayer`]), with the maps
+/// of a `bridge` resource of `targets = "router"`.
 #[derive(Debug, Clone)]
 pub struct PoolSource {
     /// The members' passes, the answer holder first (when there is one).
     pub members: Vec<PassRef>,
-    /// Their weights.
+    /// Their weights (fixed routers; uniform where the router is trained).
     pub weights: Vec<f64>,
+    /// The trained router: its bridge resource, and whether its initial
+    /// (uniform) maps are used.
+    pub trained: Option<(String, bool)>,
 }
 
 impl PoolSource {
-    /// A pool of `n` holders of `kind` weighted by `router`; `None` with the
-    /// reason when the combination does not exist.
+    /// A pool of `n` holders of `kind` weighted by `router`; a trained
+    /// router reads the bridge `trained` names. `Err` with the reason when
+    /// the combination does not exist.
     pub fn new(
         n: usize,
         router: crate::arm::Router,
         kind: crate::arm::PoolMembers,
+        trained: Option<(String, bool)>,
     ) -> std::result::Result<Self, String> {
         use crate::arm::{PoolMembers, Router};
         if n == 0 {
@@ -210,7 +222,7 @@ impl PoolSource {
             PoolMembers::DistractorsOnly => (0..n).map(PassRef::Partner).collect(),
         };
         let weights = match router {
-            Router::Uniform => vec![1.0 / n as f64; n],
+            Router::Uniform | Router::Trained => vec![1.0 / n as f64; n],
             Router::Oracle => {
                 if kind == PoolMembers::DistractorsOnly {
                     return Err("an oracle router needs an answer holder in the pool".into());
@@ -219,13 +231,54 @@ impl PoolSource {
                 w[0] = 1.0;
                 w
             }
-            Router::Trained => {
+        };
+        let trained = match (router, trained) {
+            (Router::Trained, Some(t)) => Some(t),
+            (Router::Trained, None) => {
                 return Err(
-                    "a trained router is a bridge (PROTOCOL §7); it is not built yet".into(),
+                    "a trained router reads a bridge: give the arm `bridge = { resource = \"<name>\" }` naming a bridge of targets = \"router\"".into(),
                 )
             }
+            (_, _) => None,
         };
-        Ok(Self { members, weights })
+        Ok(Self {
+            members,
+            weights,
+            trained,
+        })
+    }
+
+    fn pass_of(passes: &ItemPasses, m: PassRef) -> Result<&Pass> {
+        Ok(match m {
+            PassRef::ArmBase => &passes.base,
+            PassRef::Alt => &passes.alt,
+            PassRef::Partner(r) => {
+                &passes
+                    .partners
+                    .get(r)
+                    .ok_or_else(|| {
+                        DriverError::Records(format!("internal: pool partner {r} missing"))
+                    })?
+                    .0
+            }
+        })
+    }
+
+    /// The members' residual streams at layer `l`, each brought to the
+    /// item's length (positions a shorter member lacks take the item's own
+    /// masked state there), the answer holder first.
+    pub fn member_resids(&self, passes: &ItemPasses, l: usize) -> Result<Vec<Tensor>> {
+        let own = passes.base.resid(l)?;
+        self.members
+            .iter()
+            .map(|&m| {
+                Ok(tolerable_carrier::inject::fit_positions(
+                    Self::pass_of(passes, m)?.resid(l)?,
+                    own,
+                    1,
+                )?)
+            })
+            .collect()
     }
 }
 
@@ -245,6 +298,12 @@ impl Source for PoolSource {
                 needs.resid_of(m).extend(layers.iter().copied());
             }
         }
+        // A trained router reads the receiver's own masked state.
+        if self.trained.is_some() && carrier == Carrier::H {
+            needs
+                .resid_of(PassRef::ArmBase)
+                .extend(layers.iter().copied());
+        }
     }
 
     fn provide(
@@ -253,22 +312,27 @@ impl Source for PoolSource {
         _base: Base,
         carrier: Carrier,
         layers: &[usize],
+        resources: &BTreeMap<String, Value>,
     ) -> Result<(CarrierValue, Geometry)> {
-        let pass_of = |m: PassRef| -> Result<&Pass> {
-            Ok(match m {
-                PassRef::ArmBase => &passes.base,
-                PassRef::Alt => &passes.alt,
-                PassRef::Partner(r) => {
-                    &passes
-                        .partners
-                        .get(r)
-                        .ok_or_else(|| {
-                            DriverError::Records(format!("internal: pool partner {r} missing"))
-                        })?
-                        .0
-                }
-            })
-        };
+        if let Some((name, init)) = &self.trained {
+            if carrier != Carrier::H {
+                return Err(DriverError::Records(
+                    "internal: a trained router routes the residual stream only".into(),
+                ));
+            }
+            let v = resources.get(name).ok_or_else(|| {
+                DriverError::Records(format!("internal: bridge `{name}` was not built"))
+            })?;
+            let b: &crate::resources::BridgeValue = crate::resources::bank::downcast(v, "bridge")?;
+            let mut m = BTreeMap::new();
+            for &l in layers {
+                let router = b.router(l, *init)?;
+                let members = self.member_resids(passes, l)?;
+                m.insert(l, router.route(passes.base.resid(l)?, &members)?);
+            }
+            return Ok((CarrierValue::Resid(m), passes.geometry.clone()));
+        }
+        let pass_of = |m: PassRef| Self::pass_of(passes, m);
         // Every member is brought to the item's length (positions a shorter
         // member lacks take the item's own masked state there, weighted alike).
         let sum = |get: &dyn Fn(&Pass) -> Result<Tensor>, axis: usize| -> Result<Tensor> {
@@ -336,6 +400,7 @@ impl Source for SenderSource {
         _base: Base,
         carrier: Carrier,
         layers: &[usize],
+        _resources: &BTreeMap<String, Value>,
     ) -> Result<(CarrierValue, Geometry)> {
         let pass = passes.senders.get(&self.key).ok_or_else(|| {
             DriverError::Records(format!(

@@ -601,9 +601,9 @@ impl Transform for BlendToward {
     }
 
     fn apply(&self, value: CarrierValue, cx: &TransformCx) -> Result<(CarrierValue, Achieved)> {
-        let (other, _) = self
-            .toward
-            .provide(cx.passes, cx.base, cx.carrier, cx.layers)?;
+        let (other, _) =
+            self.toward
+                .provide(cx.passes, cx.base, cx.carrier, cx.layers, cx.resources)?;
         let mut ach = Vec::new();
         match value {
             CarrierValue::Resid(mut m) => {

@@ -1448,6 +1448,155 @@ fn a_bridge_never_trains_on_an_evaluation_item_of_the_same_split() {
     assert!(!dir.path().join("b/run.json").exists());
 }
 
+fn router_config(dir: &Path, model: &Path, extra: &str) -> PathBuf {
+    let text = format!(
+        r#"
+[run]
+name = "tiny-router"
+model = "{}"
+seed = 5
+new_tokens = 3
+cell_items = 3
+
+[data]
+source = "synthetic"
+n = 6
+
+[resources.router]
+kind = "bridge"
+targets = "router"
+rank = 4
+train_items = 6
+slice_items = 2
+epochs = 2
+lr = 0.05
+data = "synthetic"
+{extra}
+arm = {{ inject = [{{ carrier = "h", layers = 1, positions = "fact_region", source = {{ pool = {{ n = 3, router = "trained" }} }}, mechanism = "add", alpha = 2.0 }}] }}
+
+[[arms]]
+name = "pool_uniform"
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = {{ pool = {{ n = 3, router = "uniform" }} }}, mechanism = "add", alpha = 2.0 }}
+
+[[arms]]
+name = "routed"
+bridge = {{ resource = "router" }}
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = {{ pool = {{ n = 3, router = "trained" }} }}, mechanism = "add", alpha = 2.0 }}
+
+[[arms]]
+name = "routed_init"
+bridge = {{ resource = "router", init = true }}
+expect = {{ arm = "pool_uniform" }}
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = {{ pool = {{ n = 3, router = "trained" }} }}, mechanism = "add", alpha = 2.0 }}
+
+[[arms]]
+name = "routed_mismatch"
+bridge = {{ resource = "router" }}
+inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = {{ pool = {{ n = 3, router = "trained", members = "distractors_only" }} }}, mechanism = "add", alpha = 2.0 }}
+"#,
+        model.display()
+    );
+    let p = dir.join("router.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn a_trained_router_learns_its_pool_weights_and_starts_as_the_uniform_router() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = router_config(dir.path(), &model, "");
+    let cache = dir.path().join("resources");
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    sweep::run(&cfg, &opts("a")).unwrap();
+    let out = dir.path().join("a");
+    let r = &run_json(&out)["resources"]["router"];
+    assert_eq!(r["obtained"], "built", "{r}");
+    let curve = r["summary"]["curve"].as_array().unwrap();
+    assert_eq!(curve.len(), 3, "{r}");
+    assert!(curve[1]["train_loss"].as_f64().unwrap().is_finite());
+    // The zero-init gate: before any step the router is the uniform one,
+    // bit for bit, on every item.
+    let (names, rows) = rows(&out.join("items/cell-00000.parquet"));
+    let arm = col(&names, &rows, "arm");
+    let exact = col(&names, &rows, "bit_exact");
+    assert!(arm.iter().any(|a| a == "routed_init"));
+    for (i, a) in arm.iter().enumerate() {
+        if a == "routed_init" {
+            assert_eq!(exact[i], "true", "row {i}");
+        }
+    }
+    // The trained maps are not the initial ones (W_q moved off zero), and
+    // they survive the cache: a second run loads them and writes the same
+    // continuations.
+    let folder = cache.join(format!("bridge-{}", r["hash"].as_str().unwrap()));
+    let t =
+        candle_core::safetensors::load(folder.join("value.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let wq = t["router.trained.1.wq"]
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let wq0 = t["router.init.1.wq"]
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(wq0, 0.0);
+    // Training lowered the slice loss (first-token cross-entropy), and the
+    // kept maps are those of a trained epoch.
+    let best = r["summary"]["best_epoch"].as_u64().unwrap() as usize;
+    assert!(best > 0, "{r}");
+    assert!(
+        curve[best]["slice_loss"].as_f64().unwrap() < curve[0]["slice_loss"].as_f64().unwrap(),
+        "{r}"
+    );
+    assert!(wq > 0.0);
+    sweep::run(&cfg, &opts("b")).unwrap();
+    assert_eq!(
+        run_json(&dir.path().join("b"))["resources"]["router"]["obtained"],
+        "cached"
+    );
+    for a in ["routed", "routed_mismatch"] {
+        assert_eq!(
+            continuations(&out, a),
+            continuations(&dir.path().join("b"), a),
+            "{a}"
+        );
+    }
+
+    // Bad input, named before any work.
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    for (from, to, want) in [
+        // A trained pool without its bridge.
+        ("bridge = { resource = \"router\" }\ninject", "inject", "a trained router reads a bridge"),
+        // A router bridge on the KV carrier.
+        ("arm = { inject = [{ carrier = \"h\", layers = 1", "arm = { inject = [{ carrier = \"kv\", layers = 1", "activation carrier"),
+        // A router at two layers.
+        ("arm = { inject = [{ carrier = \"h\", layers = 1,", "arm = { inject = [{ carrier = \"h\", layers = [0, 1],", "one layer"),
+        // A router bridge whose arm routes uniformly.
+        ("source = { pool = { n = 3, router = \"trained\" } }, mechanism = \"add\", alpha = 2.0 }] }", "source = { pool = { n = 3, router = \"uniform\" } }, mechanism = \"add\", alpha = 2.0 }] }", "trains the pool's router"),
+        // Adapters where the pool wants a router.
+        ("targets = \"router\"", "targets = \"q\"", "targets"),
+    ] {
+        assert!(text.contains(from), "{from}");
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, text.replacen(from, to, 1)).unwrap();
+        let e = sweep::run(&bad, &opts("bad")).unwrap_err().to_string();
+        assert!(e.contains(want), "{want}: {e}");
+        assert!(!dir.path().join("bad/run.json").exists());
+    }
+}
+
 /// A cross-family config: a receiver (the tiny Qwen2-style model) and a
 /// holder of another family, depth, width and kv geometry (a Llama-style
 /// model of 5 layers, width 48, one kv head), each through a projection

@@ -19,6 +19,17 @@
 //! zero-init gate: an arm with `bridge = { resource, init = true }` and
 //! `expect = { arm = "<raw arm>" }`).
 //!
+//! A bridge of `targets = "router"` trains no adapter: it trains the
+//! per-token router of a pool on the activation carrier (paper 2's
+//! additive, router-only arm; [`tolerable_carrier::RouterLayer`]). Its
+//! training arm is one injection `source = { pool = { n, router =
+//! "trained" } }`, carrier `h`, mechanism `add`, at one layer; each step
+//! adds the routed pool at the sites, re-runs the context from that layer
+//! and the question with gradients reaching only the router's maps. Pool
+//! distractors are other training items' passages. W_q starts at zero, so
+//! the initial router is the uniform one (its zero-init gate is `expect =
+//! { arm = "<uniform pool arm>" }`).
+//!
 //! A non-finite loss (a training step's, or the slice's after an epoch)
 //! stops training: the log and `run.json` name the epoch and step, and the
 //! best epoch before it is kept.
@@ -28,7 +39,7 @@
 //! accuracy), which `run.json` records.
 
 use super::{sample_training, BuildCx, ResourceKind, ResourceSpec, TrainCx, Value};
-use crate::arm::{Arm, Base, BridgeTargets, Injection};
+use crate::arm::{Arm, Base, BridgeTargets, Injection, PoolSpec, Router, Source as SourceSpec};
 use crate::config::{DataSection, DataSource, PlannedArm, SweepConfig};
 use crate::error::{DriverError, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -38,7 +49,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
-use tolerable_carrier::LayerSet;
+use tolerable_carrier::{Carrier, LayerSet, Mechanism, RouterLayer};
 use tolerable_probe::SplitItem;
 use tolerable_runtime::{
     Adapter, HookSpec, Kernels, KvCache, LogitsAt, Model, ModelConfig, Projection,
@@ -138,9 +149,19 @@ impl BridgeSpec {
         match self.targets {
             BridgeTargets::Q => vec![Projection::Q],
             BridgeTargets::Kv => vec![Projection::K, Projection::V],
-            BridgeTargets::Qkv | BridgeTargets::Router => {
-                vec![Projection::Q, Projection::K, Projection::V]
-            }
+            BridgeTargets::Qkv => vec![Projection::Q, Projection::K, Projection::V],
+            BridgeTargets::Router => Vec::new(),
+        }
+    }
+
+    /// The pool a router bridge routes: the training arm's one injection.
+    fn router_pool(&self) -> Option<(&Injection, &PoolSpec)> {
+        match self.arm.inject.as_slice() {
+            [inj] => match &inj.source {
+                SourceSpec::Pool(p) => Some((inj, p)),
+                _ => None,
+            },
+            _ => None,
         }
     }
 
@@ -163,6 +184,15 @@ impl BridgeSpec {
         arm.name = TRAIN_ARM.into();
         arm.base = self.arm.base;
         arm.inject = self.arm.inject.clone();
+        // A router is trained on the pool's passes; the plan compiles the
+        // pool with the uniform router (the maps are the bridge's own).
+        for inj in &mut arm.inject {
+            if let SourceSpec::Pool(p) = &mut inj.source {
+                if p.router == Router::Trained {
+                    p.router = Router::Uniform;
+                }
+            }
+        }
         Ok(SweepConfig {
             run,
             data: DataSection {
@@ -188,7 +218,13 @@ impl BridgeSpec {
         };
         let plan = crate::plan::compile(&mini, cfg, "receiver", &no_sender)
             .map_err(|e| DriverError::Config(format!("{field} arm: {e}")))?;
-        if plan.needs.partners > 0 || !plan.resources.is_empty() || !plan.senders.is_empty() {
+        // A router's pool holds other training items' passages; adapters
+        // are trained on the item's own passes.
+        let partners_ok = self.targets == BridgeTargets::Router;
+        if (plan.needs.partners > 0 && !partners_ok)
+            || !plan.resources.is_empty()
+            || !plan.senders.is_empty()
+        {
             return Err(DriverError::Config(format!(
                 "{field} arm: a bridge is trained under an arm of the item's own passes (no other items, resources or senders)"
             )));
@@ -213,9 +249,29 @@ pub struct BridgeValue {
     /// step within it (1-based); the kept adapters are the best epoch's
     /// before it.
     pub stopped: Option<(usize, usize)>,
+    /// The trained router's maps of the kept epoch (a bridge of `targets =
+    /// "router"`; empty otherwise).
+    pub router: Vec<RouterLayer>,
+    /// The router's maps before the first step (W_q = 0: uniform weights).
+    pub init_router: Vec<RouterLayer>,
 }
 
 impl BridgeValue {
+    /// The router of `layer` (its initial maps with `init`).
+    pub fn router(&self, layer: usize, init: bool) -> Result<&RouterLayer> {
+        let set = if init {
+            &self.init_router
+        } else {
+            &self.router
+        };
+        set.iter().find(|r| r.layer == layer).ok_or_else(|| {
+            DriverError::Records(format!(
+                "the bridge holds no router of layer {layer} (it routes layers {:?})",
+                set.iter().map(|r| r.layer).collect::<Vec<_>>()
+            ))
+        })
+    }
+
     /// The hooks an arm runs its question and decoding with.
     pub fn spec(&self, init: bool) -> HookSpec {
         HookSpec::new().adapt_all(if init {
@@ -242,16 +298,25 @@ struct Example {
     target: u32,
 }
 
-/// The examples of `items` under the training arm; bridges trained under
-/// the same arm on the same items in one invocation share them (`scratch`).
-fn examples(
+/// The examples of `set.items[range]` under the training arm; bridges
+/// trained under the same arm on the same items in one invocation share
+/// them (`scratch`). Mis-source partners (a router's distractor holders)
+/// are other training items of `set`.
+fn examples<E: Send + Sync + 'static>(
     cx: &BuildCx,
     spec: &BridgeSpec,
     plan: &crate::plan::Plan,
-    items: &[SplitItem],
+    set: &crate::items::ItemSet,
+    range: std::ops::Range<usize>,
     what: &str,
-) -> Result<Vec<Arc<Example>>> {
-    let (model, tokenizer) = (cx.model, cx.train.tokenizer);
+    make: &dyn Fn(
+        &crate::passes::ItemPasses,
+        &crate::plan::ArmProgram,
+        &SplitItem,
+        &crate::exec::ItemCx,
+    ) -> Result<E>,
+) -> Result<Vec<Arc<E>>> {
+    let model = cx.model;
     let arm_key = serde_json::to_string(&spec.arm).unwrap_or_default();
     let program = plan
         .programs
@@ -262,22 +327,43 @@ fn examples(
         })?;
     let none = BTreeMap::new();
     let senders = BTreeMap::new();
-    let bar = ProgressBar::new(items.len() as u64);
+    let bar = ProgressBar::new(range.len() as u64);
     bar.set_style(
         ProgressStyle::with_template(&format!(
             "bridge {what} caches {{bar:30}} {{pos}}/{{len}} eta {{eta}}"
         ))
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let mut out = Vec::with_capacity(items.len());
-    for (i, it) in items.iter().enumerate() {
-        let key = format!("bridge example {arm_key} {i} {}", it.item.id);
+    let mut out = Vec::with_capacity(range.len());
+    for i in range {
+        let it = &set.items[i];
+        let key = format!(
+            "bridge example {} {arm_key} {i} {} {:?}",
+            std::any::type_name::<E>(),
+            it.item.id,
+            set.partners[i]
+        );
         let v = cx.scratch.get_or_make(&key, || {
-            Ok(Arc::new(example(
-                model, plan, program, it, i, tokenizer, &none, &senders,
-            )?))
+            let pair = &set.pairs[i];
+            let passes = crate::passes::item_passes(
+                model,
+                pair,
+                &set.partners_of(i),
+                &plan.needs,
+                &senders,
+            )?;
+            let memo = crate::transforms::Memo::default();
+            let icx = crate::exec::ItemCx {
+                model,
+                passes: &passes,
+                index: i,
+                seed: 0,
+                resources: &none,
+                memo: &memo,
+            };
+            Ok(Arc::new(make(&passes, program, it, &icx)?))
         })?;
-        out.push(v.downcast::<Example>().map_err(|_| {
+        out.push(v.downcast::<E>().map_err(|_| {
             DriverError::Records(format!("internal: scratch `{key}` is not an example"))
         })?);
         bar.inc(1);
@@ -286,52 +372,120 @@ fn examples(
     Ok(out)
 }
 
-/// One training example: the item's passes, the training arm's cache, the
-/// gold answer's first token.
-#[allow(clippy::too_many_arguments)]
-fn example(
-    model: &Model,
-    plan: &crate::plan::Plan,
-    program: &crate::plan::ArmProgram,
-    it: &SplitItem,
-    i: usize,
-    tokenizer: &tolerable_runtime::Tokenizer,
-    none: &BTreeMap<String, Value>,
-    senders: &BTreeMap<String, Model>,
-) -> Result<Example> {
-    {
-        let pair = it.pair();
-        let passes = crate::passes::item_passes(model, &pair, &[], &plan.needs, senders)?;
-        let memo = crate::transforms::Memo::default();
-        let cx = crate::exec::ItemCx {
-            model,
-            passes: &passes,
-            index: i,
-            seed: 0,
-            resources: none,
-            memo: &memo,
-        };
-        let prepared = crate::exec::prepare(program, &cx)?;
-        let answer = it.item.answers.first().ok_or_else(|| {
-            DriverError::Config(format!("training item {} has no gold answer", it.item.id))
-        })?;
-        let target = *tokenizer
-            .encode(&format!(" {}", answer.trim()))?
-            .first()
-            .ok_or_else(|| {
-                DriverError::Config(format!("training item {}: an empty answer", it.item.id))
-            })?;
-        Ok(Example {
-            cache: prepared.cache,
-            question: pair.suffix.clone(),
-            target,
+/// The gold answer's first token of a training item.
+fn target_of(it: &SplitItem, tokenizer: &tolerable_runtime::Tokenizer) -> Result<u32> {
+    let answer = it.item.answers.first().ok_or_else(|| {
+        DriverError::Config(format!("training item {} has no gold answer", it.item.id))
+    })?;
+    tokenizer
+        .encode(&format!(" {}", answer.trim()))?
+        .first()
+        .copied()
+        .ok_or_else(|| {
+            DriverError::Config(format!("training item {}: an empty answer", it.item.id))
         })
-    }
 }
 
-/// The adapters of `vars`: live (gradients flow into the variables), or a
-/// snapshot (fresh storage: the optimizer updates variables in place, so a
-/// detached view would change with them).
+/// One adapter training example: the training arm's prepared cache.
+fn adapter_example(
+    program: &crate::plan::ArmProgram,
+    it: &SplitItem,
+    icx: &crate::exec::ItemCx,
+    tokenizer: &tolerable_runtime::Tokenizer,
+) -> Result<Example> {
+    let prepared = crate::exec::prepare(program, icx)?;
+    Ok(Example {
+        cache: prepared.cache,
+        question: it.pair().suffix.clone(),
+        target: target_of(it, tokenizer)?,
+    })
+}
+
+/// A router training or slice example: the receiver's own state and the
+/// pool members' at the routed layer, the sites, and the masked cache the
+/// context is re-run over from the first site.
+struct RouterExample {
+    layer: usize,
+    own: Tensor,
+    members: Vec<Tensor>,
+    mask: Tensor,
+    alpha: f64,
+    p0: usize,
+    lower: KvCache,
+    prefix: KvCache,
+    question: Vec<u32>,
+    target: u32,
+}
+
+fn router_example(
+    spec: &BridgeSpec,
+    passes: &crate::passes::ItemPasses,
+    program: &crate::plan::ArmProgram,
+    it: &SplitItem,
+    tokenizer: &tolerable_runtime::Tokenizer,
+) -> Result<RouterExample> {
+    let (_, pool) = spec
+        .router_pool()
+        .ok_or_else(|| DriverError::Records("internal: a router bridge without a pool".into()))?;
+    let step = program.resid_steps.first().ok_or_else(|| {
+        DriverError::Records("internal: the router's training arm has no residual step".into())
+    })?;
+    let layer = *step.layers.first().ok_or_else(|| {
+        DriverError::Records("internal: the router's injection has no layer".into())
+    })?;
+    let own = passes.base.resid(layer)?.clone();
+    let t = own.dim(1)?;
+    let sites: Vec<usize> = step
+        .positions
+        .resolve(&passes.geometry)
+        .into_iter()
+        .filter(|&p| p < t)
+        .collect();
+    let p0 = *sites.first().ok_or_else(|| {
+        DriverError::Config(format!(
+            "training item {}: the router's injection finds no site",
+            it.item.id
+        ))
+    })?;
+    let pool = crate::sources::PoolSource::new(pool.n, Router::Uniform, pool.members, None)
+        .map_err(DriverError::Config)?;
+    let mut m = vec![0f32; t];
+    for &p in &sites {
+        m[p] = 1.0;
+    }
+    Ok(RouterExample {
+        layer,
+        members: pool.member_resids(passes, layer)?,
+        mask: Tensor::from_vec(m, (1, t, 1), &Device::Cpu)?,
+        alpha: step.alpha,
+        p0,
+        lower: passes.base.cache.narrow(p0, t - p0)?,
+        prefix: passes.base.cache.truncate(p0)?,
+        own,
+        question: it.pair().suffix.clone(),
+        target: target_of(it, tokenizer)?,
+    })
+}
+
+/// Loss and first-token hit of a router example: the routed pool added at
+/// the sites, the context re-run from the routed layer, then the question.
+fn router_score(model: &Model, ex: &RouterExample, router: &RouterLayer) -> Result<(Tensor, bool)> {
+    let routed = router.route(&ex.own, &ex.members)?;
+    let injected = (&ex.own + (routed * ex.alpha)?.broadcast_mul(&ex.mask)?)?;
+    let t = ex.own.dim(1)?;
+    let resid_in = injected.narrow(1, ex.p0, t - ex.p0)?;
+    let mut cache = ex.prefix.clone();
+    model.forward_from_layer(
+        ex.layer,
+        &resid_in,
+        &ex.lower,
+        &mut cache,
+        &HookSpec::new(),
+        LogitsAt::None,
+    )?;
+    question_score(model, cache, &ex.question, ex.target, &HookSpec::new())
+}
+
 fn adapters_of(
     vars: &[(usize, Projection, Var, Var)],
     scale: f64,
@@ -360,10 +514,21 @@ fn adapters_of(
 
 /// Loss and first-token hit of one example under `spec`.
 fn score(model: &Model, ex: &Example, spec: &HookSpec) -> Result<(Tensor, bool)> {
-    let mut cache = ex.cache.clone();
+    question_score(model, ex.cache.clone(), &ex.question, ex.target, spec)
+}
+
+/// The cross-entropy of `target` after `question` over `cache`, and whether
+/// it is the argmax.
+fn question_score(
+    model: &Model,
+    mut cache: KvCache,
+    question: &[u32],
+    target: u32,
+    spec: &HookSpec,
+) -> Result<(Tensor, bool)> {
     let logits = model
         .forward(
-            &model.tokens(std::slice::from_ref(&ex.question))?,
+            &model.tokens(&[question.to_vec()])?,
             &mut cache,
             spec,
             LogitsAt::Last,
@@ -371,16 +536,20 @@ fn score(model: &Model, ex: &Example, spec: &HookSpec) -> Result<(Tensor, bool)>
         .logits
         .ok_or_else(|| DriverError::Records("internal: no logits".into()))?
         .squeeze(1)?;
-    let target = Tensor::new(&[ex.target], logits.device())?;
-    let loss = candle_nn::loss::cross_entropy(&logits, &target)?;
-    let hit = logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?[0] == ex.target;
+    let target_t = Tensor::new(&[target], logits.device())?;
+    let loss = candle_nn::loss::cross_entropy(&logits, &target_t)?;
+    let hit = logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?[0] == target;
     Ok((loss, hit))
 }
 
-fn slice_scores(model: &Model, slice: &[Arc<Example>], spec: &HookSpec) -> Result<(f64, f64)> {
+/// Mean loss and first-token accuracy over a slice.
+fn slice_scores<E>(
+    slice: &[Arc<E>],
+    score: &dyn Fn(&E) -> Result<(Tensor, bool)>,
+) -> Result<(f64, f64)> {
     let (mut loss, mut hits) = (0.0, 0usize);
     for ex in slice {
-        let (l, h) = score(model, ex, spec)?;
+        let (l, h) = score(ex)?;
         loss += l.to_scalar::<f32>()? as f64;
         hits += h as usize;
     }
@@ -388,6 +557,102 @@ fn slice_scores(model: &Model, slice: &[Arc<Example>], spec: &HookSpec) -> Resul
         loss / slice.len().max(1) as f64,
         hits as f64 / slice.len().max(1) as f64,
     ))
+}
+
+/// What a training loop ends with: the initial parameters, the kept ones,
+/// the curve, the kept epoch and where it stopped early.
+struct Trained<S> {
+    init: S,
+    kept: S,
+    curve: Vec<[f64; 4]>,
+    best_epoch: usize,
+    stopped: Option<(usize, usize)>,
+}
+
+/// The training loop every bridge shares: AdamW on `params`, one example
+/// per step in a seeded order, the slice scored before the first step and
+/// after each epoch, the best epoch (slice accuracy, then loss) kept; a
+/// non-finite loss stops training.
+fn train_loop<S: Clone>(
+    spec: &BridgeSpec,
+    field: &str,
+    n_train: usize,
+    params: Vec<Var>,
+    snapshot: &dyn Fn() -> Result<S>,
+    step_loss: &dyn Fn(usize) -> Result<Tensor>,
+    slice: &dyn Fn(&S) -> Result<(f64, f64)>,
+) -> Result<Trained<S>> {
+    let mut opt = candle_nn::AdamW::new(
+        params,
+        candle_nn::ParamsAdamW {
+            lr: spec.lr,
+            weight_decay: spec.weight_decay,
+            ..Default::default()
+        },
+    )?;
+    let init = snapshot()?;
+    let (l0, a0) = slice(&init)?;
+    let mut curve = vec![[0.0, f64::NAN, l0, a0]];
+    let (mut best, mut best_epoch, mut kept) = ((a0, -l0), 0usize, init.clone());
+    tracing::info!("{field}: epoch 0 (initial): slice loss {l0:.3}, first-token accuracy {a0:.3}");
+    let mut order: Vec<usize> = (0..n_train).collect();
+    let mut stopped = None;
+    'epochs: for epoch in 1..=spec.epochs {
+        let mut rng =
+            tolerable_probe::rng::Rng::new(crate::exec::mix(spec.seed, &[epoch as u64, 0xE90C]));
+        rng.shuffle(&mut order);
+        let bar = ProgressBar::new(order.len() as u64);
+        bar.set_style(
+            ProgressStyle::with_template(&format!(
+                "bridge epoch {epoch}/{} {{bar:30}} {{pos}}/{{len}} loss {{msg}} eta {{eta}}",
+                spec.epochs
+            ))
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        let mut total = 0.0;
+        for (step, &i) in order.iter().enumerate() {
+            let loss = step_loss(i)?;
+            let value = loss.to_scalar::<f32>()? as f64;
+            if !value.is_finite() {
+                bar.finish_and_clear();
+                tracing::warn!(
+                    "{field}: training stopped at epoch {epoch}, step {}: the loss is {value}; the parameters of epoch {best_epoch} are kept",
+                    step + 1
+                );
+                stopped = Some((epoch, step + 1));
+                break 'epochs;
+            }
+            total += value;
+            opt.backward_step(&loss)?;
+            bar.inc(1);
+            bar.set_message(format!("{:.3}", total / bar.position() as f64));
+        }
+        bar.finish_and_clear();
+        let now = snapshot()?;
+        let (sl, sa) = slice(&now)?;
+        let mean = total / order.len() as f64;
+        tracing::info!("{field}: epoch {epoch}: training loss {mean:.3}, slice loss {sl:.3}, first-token accuracy {sa:.3}");
+        curve.push([epoch as f64, mean, sl, sa]);
+        if !sl.is_finite() {
+            tracing::warn!(
+                "{field}: training stopped after epoch {epoch}: the slice loss is {sl}; the parameters of epoch {best_epoch} are kept"
+            );
+            stopped = Some((epoch, order.len()));
+            break;
+        }
+        if (sa, -sl) > best {
+            best = (sa, -sl);
+            best_epoch = epoch;
+            kept = now;
+        }
+    }
+    Ok(Trained {
+        init,
+        kept,
+        curve,
+        best_epoch,
+        stopped,
+    })
 }
 
 impl ResourceKind for BridgeSpec {
@@ -407,7 +672,43 @@ impl ResourceKind for BridgeSpec {
     ) -> Result<()> {
         let err = |m: String| Err(DriverError::Config(format!("{field} {m}")));
         if self.targets == BridgeTargets::Router {
-            return err("targets: `router`: the trained router of the activation carrier is not built yet (q, kv or qkv)".into());
+            let Some((inj, pool)) = self.router_pool() else {
+                return err("arm: a router is trained under one injection whose source is a pool (`source = { pool = { n, router = \"trained\" } }`)".into());
+            };
+            if pool.router != Router::Trained {
+                return err(format!(
+                    "arm.inject.source.pool.router: `{:?}`: a router bridge trains the pool's router; write router = \"trained\"",
+                    pool.router
+                ));
+            }
+            if inj.carrier != Carrier::H || inj.mechanism != Mechanism::Add {
+                return err("arm.inject: a trained router routes the activation carrier additively (carrier = \"h\", mechanism = \"add\")".into());
+            }
+            if self.arm.base != Base::Masked {
+                return err("arm.base: a router is trained on the masked receiver".into());
+            }
+            let n = inj
+                .layers
+                .resolve(cfg.n_layers, &format!("{field} arm.inject.layers"))?
+                .len();
+            if n != 1 {
+                return err(format!(
+                    "arm.inject.layers: a router is trained at one layer, this injection names {n}"
+                ));
+            }
+            if self.layers != LayerSet::All {
+                return err("layers: a router routes the layer of its injection (arm.inject.layers); leave `layers` out".into());
+            }
+        } else if self
+            .arm
+            .inject
+            .iter()
+            .any(|i| matches!(&i.source, SourceSpec::Pool(p) if p.router == Router::Trained))
+        {
+            return err(format!(
+                "targets: `{:?}`: a pool with router = \"trained\" is trained by a bridge of targets = \"router\"",
+                self.targets
+            ));
         }
         if self.rank == 0 || self.rank > cfg.d_model {
             return err(format!(
@@ -467,18 +768,85 @@ impl ResourceKind for BridgeSpec {
         let model = cx.model;
         let cfg = model.config().clone();
         let plan = self.compile(&field, &cfg)?;
-        if items.len() < self.train_items + self.slice_items {
+        let n = self.train_items + self.slice_items;
+        if items.len() < n {
             return Err(DriverError::Config(format!(
                 "{field}: {} training items asked ({} + {} for the slice), {} available",
-                self.train_items + self.slice_items,
+                n,
                 self.train_items,
                 self.slice_items,
                 items.len()
             )));
         }
-        let (train_items, slice_items) = items.split_at(self.train_items);
-        let train = examples(cx, self, &plan, train_items, "training")?;
-        let slice = examples(cx, self, &plan, &slice_items[..self.slice_items], "slice")?;
+        // Partners (a router's distractors) come from the whole training set.
+        let set = crate::items::ItemSet::new(items[..n].to_vec(), plan.needs.partners, self.seed)
+            .map_err(|e| DriverError::Config(format!("{field}: {e}")))?;
+        let (tr, sl) = (0..self.train_items, self.train_items..n);
+        let tokenizer = cx.train.tokenizer;
+        let diff = model.clone().with_kernels(Kernels::Differentiable);
+        if self.targets == BridgeTargets::Router {
+            let make = |passes: &crate::passes::ItemPasses,
+                        program: &crate::plan::ArmProgram,
+                        it: &SplitItem,
+                        _: &crate::exec::ItemCx| {
+                router_example(self, passes, program, it, tokenizer)
+            };
+            let train = examples(cx, self, &plan, &set, tr, "training", &make)?;
+            let slice = examples(cx, self, &plan, &set, sl, "slice", &make)?;
+            let layer = train.first().map(|e| e.layer).unwrap_or(0);
+            let wq = Var::from_tensor(&Tensor::zeros(
+                (cfg.d_model, self.rank),
+                DType::F32,
+                &Device::Cpu,
+            )?)?;
+            let wk = Var::from_tensor(&Tensor::from_vec(
+                tolerable_carrier::uniform_symmetric(
+                    cfg.d_model * self.rank,
+                    1.0 / (cfg.d_model as f64).sqrt(),
+                    crate::exec::mix(self.seed, &[layer as u64, 0x7017E]),
+                ),
+                (cfg.d_model, self.rank),
+                &Device::Cpu,
+            )?)?;
+            let live = || RouterLayer {
+                layer,
+                wq: wq.as_tensor().clone(),
+                wk: wk.as_tensor().clone(),
+            };
+            let snapshot = || -> Result<Vec<RouterLayer>> {
+                Ok(vec![RouterLayer {
+                    layer,
+                    wq: wq.as_tensor().detach().copy()?,
+                    wk: wk.as_tensor().detach().copy()?,
+                }])
+            };
+            let done = train_loop(
+                self,
+                &field,
+                train.len(),
+                vec![wq.clone(), wk.clone()],
+                &snapshot,
+                &|i| Ok(router_score(&diff, &train[i], &live())?.0),
+                &|s: &Vec<RouterLayer>| slice_scores(&slice, &|e| router_score(model, e, &s[0])),
+            )?;
+            return Ok(Arc::new(BridgeValue {
+                trained: Vec::new(),
+                init: Vec::new(),
+                curve: done.curve,
+                best_epoch: done.best_epoch,
+                stopped: done.stopped,
+                router: done.kept,
+                init_router: done.init,
+            }));
+        }
+        let make = |_: &crate::passes::ItemPasses,
+                    program: &crate::plan::ArmProgram,
+                    it: &SplitItem,
+                    icx: &crate::exec::ItemCx| {
+            adapter_example(program, it, icx, tokenizer)
+        };
+        let train = examples(cx, self, &plan, &set, tr, "training", &make)?;
+        let slice = examples(cx, self, &plan, &set, sl, "slice", &make)?;
         // Adapters: A uniform in ±1/sqrt(d) (seeded), B zero.
         let layers = self.layers.resolve(cfg.n_layers, &field)?;
         let hd = cfg.head_dim;
@@ -504,87 +872,33 @@ impl ResourceKind for BridgeSpec {
             }
         }
         let scale = self.scale();
-        let init = adapters_of(&vars, scale, true)?;
         let params = vars
             .iter()
             .flat_map(|(_, _, a, b)| [a.clone(), b.clone()])
             .collect();
-        let mut opt = candle_nn::AdamW::new(
+        let done = train_loop(
+            self,
+            &field,
+            train.len(),
             params,
-            candle_nn::ParamsAdamW {
-                lr: self.lr,
-                weight_decay: self.weight_decay,
-                ..Default::default()
+            &|| adapters_of(&vars, scale, true),
+            &|i| {
+                let spec = HookSpec::new().adapt_all(adapters_of(&vars, scale, false)?);
+                Ok(score(&diff, &train[i], &spec)?.0)
+            },
+            &|s: &Vec<Adapter>| {
+                let spec = HookSpec::new().adapt_all(s.clone());
+                slice_scores(&slice, &|e| score(model, e, &spec))
             },
         )?;
-        let diff = model.clone().with_kernels(Kernels::Differentiable);
-        let init_spec = HookSpec::new().adapt_all(init.clone());
-        let (l0, a0) = slice_scores(model, &slice, &init_spec)?;
-        let mut curve = vec![[0.0, f64::NAN, l0, a0]];
-        let (mut best, mut best_epoch, mut kept) = ((a0, -l0), 0usize, init.clone());
-        tracing::info!(
-            "{field}: epoch 0 (B = 0): slice loss {l0:.3}, first-token accuracy {a0:.3}"
-        );
-        let mut order: Vec<usize> = (0..train.len()).collect();
-        let mut stopped = None;
-        'epochs: for epoch in 1..=self.epochs {
-            let mut rng = tolerable_probe::rng::Rng::new(crate::exec::mix(
-                self.seed,
-                &[epoch as u64, 0xE90C],
-            ));
-            rng.shuffle(&mut order);
-            let bar = ProgressBar::new(order.len() as u64);
-            bar.set_style(
-                ProgressStyle::with_template(&format!(
-                    "bridge epoch {epoch}/{} {{bar:30}} {{pos}}/{{len}} loss {{msg}} eta {{eta}}",
-                    self.epochs
-                ))
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-            );
-            let mut total = 0.0;
-            for (step, &i) in order.iter().enumerate() {
-                let spec = HookSpec::new().adapt_all(adapters_of(&vars, scale, false)?);
-                let (loss, _) = score(&diff, &train[i], &spec)?;
-                let value = loss.to_scalar::<f32>()? as f64;
-                if !value.is_finite() {
-                    bar.finish_and_clear();
-                    tracing::warn!(
-                        "{field}: training stopped at epoch {epoch}, step {}: the loss is {value}; the adapters of epoch {best_epoch} are kept",
-                        step + 1
-                    );
-                    stopped = Some((epoch, step + 1));
-                    break 'epochs;
-                }
-                total += value;
-                opt.backward_step(&loss)?;
-                bar.inc(1);
-                bar.set_message(format!("{:.3}", total / bar.position() as f64));
-            }
-            bar.finish_and_clear();
-            let now = adapters_of(&vars, scale, true)?;
-            let (sl, sa) = slice_scores(model, &slice, &HookSpec::new().adapt_all(now.clone()))?;
-            let mean = total / order.len() as f64;
-            tracing::info!("{field}: epoch {epoch}: training loss {mean:.3}, slice loss {sl:.3}, first-token accuracy {sa:.3}");
-            curve.push([epoch as f64, mean, sl, sa]);
-            if !sl.is_finite() {
-                tracing::warn!(
-                    "{field}: training stopped after epoch {epoch}: the slice loss is {sl}; the adapters of epoch {best_epoch} are kept"
-                );
-                stopped = Some((epoch, order.len()));
-                break;
-            }
-            if (sa, -sl) > best {
-                best = (sa, -sl);
-                best_epoch = epoch;
-                kept = now;
-            }
-        }
         Ok(Arc::new(BridgeValue {
-            trained: kept,
-            init,
-            curve,
-            best_epoch,
-            stopped,
+            trained: done.kept,
+            init: done.init,
+            curve: done.curve,
+            best_epoch: done.best_epoch,
+            stopped: done.stopped,
+            router: Vec::new(),
+            init_router: Vec::new(),
         }))
     }
 
@@ -596,6 +910,12 @@ impl ResourceKind for BridgeSpec {
                 let key = format!("{tag}.{}.{}", ad.layer, proj_name(ad.projection));
                 map.insert(format!("{key}.a"), ad.a.clone());
                 map.insert(format!("{key}.b"), ad.b.clone());
+            }
+        }
+        for (tag, routers) in [("trained", &v.router), ("init", &v.init_router)] {
+            for r in routers.iter() {
+                map.insert(format!("router.{tag}.{}.wq", r.layer), r.wq.clone());
+                map.insert(format!("router.{tag}.{}.wk", r.layer), r.wk.clone());
             }
         }
         let flat: Vec<f64> = v.curve.iter().flatten().copied().collect();
@@ -676,17 +996,66 @@ impl ResourceKind for BridgeSpec {
                 });
             }
         }
+        let mut router_layers: Vec<usize> = map
+            .keys()
+            .filter_map(|k| {
+                let parts: Vec<&str> = k.split('.').collect();
+                match parts[..] {
+                    ["router", "trained", l, "wq"] => l.parse().ok(),
+                    _ => None,
+                }
+            })
+            .collect();
+        router_layers.sort();
+        let (mut router, mut init_router) = (Vec::new(), Vec::new());
+        for l in router_layers {
+            for (tag, out) in [("trained", &mut router), ("init", &mut init_router)] {
+                out.push(RouterLayer {
+                    layer: l,
+                    wq: get(&format!("router.{tag}.{l}.wq"))?,
+                    wk: get(&format!("router.{tag}.{l}.wk"))?,
+                });
+            }
+        }
         Ok(Arc::new(BridgeValue {
             trained,
             init,
             curve,
             best_epoch,
             stopped,
+            router,
+            init_router,
         }))
     }
 
     fn check(&self, value: &Value, cfg: &ModelConfig) -> Result<()> {
         let v: &BridgeValue = super::bank::downcast(value, "bridge")?;
+        if self.targets == BridgeTargets::Router {
+            if v.router.len() != 1 || v.init_router.len() != 1 || !v.trained.is_empty() {
+                return Err(DriverError::Records(format!(
+                    "a router bridge holds one router and no adapters; this one holds {} router(s) and {} adapter(s)",
+                    v.router.len(),
+                    v.trained.len()
+                )));
+            }
+            for r in v.router.iter().chain(&v.init_router) {
+                let want = [cfg.d_model, self.rank];
+                if r.wq.dims() != want || r.wk.dims() != want {
+                    return Err(DriverError::Records(format!(
+                        "router of layer {} has maps {:?} and {:?}; the receiver needs {want:?}",
+                        r.layer,
+                        r.wq.dims(),
+                        r.wk.dims()
+                    )));
+                }
+            }
+            return Ok(());
+        }
+        if !v.router.is_empty() {
+            return Err(DriverError::Records(
+                "an adapter bridge holds a router".into(),
+            ));
+        }
         let want = self.layers.resolve(cfg.n_layers, "layers")?.len() * self.projections().len();
         if v.trained.len() != want || v.init.len() != want {
             return Err(DriverError::Records(format!(
