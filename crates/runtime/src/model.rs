@@ -541,6 +541,15 @@ impl Model {
         Ok(y.reshape((b, s, n, hd))?.transpose(1, 2)?.contiguous()?)
     }
 
+    /// A projection of the receiver's weights: under differentiable kernels
+    /// its backward pass forms no weight gradient (the receiver is frozen).
+    fn proj(&self, w: &Proj, x: &Tensor) -> Result<Tensor> {
+        match self.kernels {
+            Kernels::Differentiable => w.forward_frozen(x),
+            Kernels::Fused => w.forward(x),
+        }
+    }
+
     /// q, k, v of a normed residual `[b, s, d]`, head-major, before RoPE.
     fn project_qkv(&self, blk: &Block, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, s, _) = h.dims3()?;
@@ -548,7 +557,7 @@ impl Model {
         let (nh, nkv) = (self.cfg.n_heads, self.cfg.n_kv_heads);
         let (q, k, v) = match &blk.qkv {
             Qkv::Fused { w, b: bias } => {
-                let mut y = w.forward(h)?;
+                let mut y = self.proj(w, h)?;
                 if let Some(bias) = bias {
                     y = y.broadcast_add(bias)?;
                 }
@@ -559,7 +568,7 @@ impl Model {
                 )
             }
             Qkv::Split { q, k, v, b: bias } => {
-                let (mut q, mut k, mut v) = (q.forward(h)?, k.forward(h)?, v.forward(h)?);
+                let (mut q, mut k, mut v) = (self.proj(q, h)?, self.proj(k, h)?, self.proj(v, h)?);
                 if let Some([bq, bk, bv]) = bias {
                     q = q.broadcast_add(bq)?;
                     k = k.broadcast_add(bk)?;
@@ -664,23 +673,23 @@ impl Model {
         }
         let z = p.matmul(&kv.v)?.reshape((b, nh, s, hd))?.transpose(1, 2)?;
         let z = self.hook(spec, Z(l), z, hc)?;
-        let attn_out = blk.o.forward(&z.contiguous()?.reshape((b, s, nh * hd))?)?;
+        let attn_out = self.proj(&blk.o, &z.contiguous()?.reshape((b, s, nh * hd))?)?;
         let attn_out = self.hook(spec, AttnOut(l), attn_out, hc)?;
         let x = (x + attn_out)?;
         let x = self.hook(spec, ResidMid(l), x, hc)?;
         let h = self.rms(&x, &blk.ffn_norm)?;
         let (gate, up) = match &blk.gate_up {
             GateUp::Fused(w) => {
-                let y = w.forward(&h)?;
+                let y = self.proj(w, &h)?;
                 let f = self.cfg.d_ffn;
                 (y.narrow(2, 0, f)?, y.narrow(2, f, f)?)
             }
-            GateUp::Split(gw, uw) => (gw.forward(&h)?, uw.forward(&h)?),
+            GateUp::Split(gw, uw) => (self.proj(gw, &h)?, self.proj(uw, &h)?),
         };
         let gate = self.hook(spec, MlpPre(l), gate, hc)?;
         let post = (gate.silu()? * up)?;
         let post = self.hook(spec, MlpPost(l), post, hc)?;
-        let mlp_out = blk.down.forward(&post)?;
+        let mlp_out = self.proj(&blk.down, &post)?;
         let mlp_out = self.hook(spec, MlpOut(l), mlp_out, hc)?;
         let x = (x + mlp_out)?;
         debug_assert_eq!(x.dims(), &[b, s, d]);
@@ -718,7 +727,7 @@ impl Model {
         let n = sel.dim(1)?;
         let h = self.rms(&sel, &self.final_norm)?;
         let h = self.hook(spec, HookPoint::FinalNorm, h, hc)?;
-        let logits = self.lm_head.forward(&h.reshape((b * n, d))?)?;
+        let logits = self.proj(&self.lm_head, &h.reshape((b * n, d))?)?;
         Ok(Some(logits.reshape((b, n, self.cfg.vocab_size))?))
     }
 

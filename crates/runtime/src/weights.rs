@@ -75,6 +75,29 @@ impl Proj {
         Ok(y.reshape(out_dims)?)
     }
 
+    /// As [`Proj::forward`], for a frozen receiver under gradients: the
+    /// same product, whose backward pass forms the gradient of `x` only.
+    /// (candle's matmul backward also forms the weight's gradient, a
+    /// weight-sized product per projection and step that frozen weights
+    /// never use.) Quantized projections take the plain path.
+    pub fn forward_frozen(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Proj::Dense(w) if x.dtype() == DType::F32 => {
+                let dims = x.dims().to_vec();
+                let last = *dims.last().unwrap();
+                let rows: usize = dims[..dims.len() - 1].iter().product();
+                let y = x
+                    .reshape((rows, last))?
+                    .contiguous()?
+                    .apply_op1(FrozenMatmul { w: w.clone() })?;
+                let mut out_dims = dims;
+                *out_dims.last_mut().unwrap() = y.dim(1)?;
+                Ok(y.reshape(out_dims)?)
+            }
+            _ => self.forward(x),
+        }
+    }
+
     /// The f32 matrix, dequantizing if needed.
     pub fn dense(&self) -> Result<Tensor> {
         Ok(match self {
@@ -83,6 +106,52 @@ impl Proj {
             Proj::Quant(QMatMul::Tensor(t)) => t.clone(),
             Proj::Quant(QMatMul::TensorF16(t)) => t.to_dtype(DType::F32)?,
         })
+    }
+}
+
+/// `x @ Wᵀ` (x `[rows, in]`, W `[out, in]`, f32) as one op whose backward
+/// pass returns `grad @ W` for x and nothing for W. The forward product is
+/// the one [`Proj::forward`] forms (the same arrangement for few rows).
+struct FrozenMatmul {
+    w: Tensor,
+}
+
+impl candle_core::CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let data = storage.as_slice::<f32>()?;
+        // The input is made contiguous before the op.
+        let x = match layout.contiguous_offsets() {
+            Some((a, b)) => Tensor::from_slice(&data[a..b], layout.shape(), &Device::Cpu)?,
+            None => candle_core::bail!("frozen-matmul: a strided input"),
+        };
+        let rows = x.dim(0)?;
+        let y = if (2..=SMALL_BATCH_ROWS).contains(&rows) {
+            self.w.matmul(&x.t()?)?.t()?.contiguous()?
+        } else {
+            x.matmul(&self.w.t()?)?
+        };
+        let shape = y.shape().clone();
+        Ok((
+            candle_core::CpuStorage::F32(y.flatten_all()?.to_vec1::<f32>()?),
+            shape,
+        ))
+    }
+
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(grad_res.matmul(&self.w)?))
     }
 }
 
@@ -281,5 +350,55 @@ pub fn hf_name(name: &str) -> String {
         "output_norm.weight" => "model.norm.weight".into(),
         "output.weight" => "lm_head.weight".into(),
         other => other.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    fn seeded(shape: (usize, usize), seed: u64) -> Tensor {
+        let n = shape.0 * shape.1;
+        let v: Vec<f32> = (0..n)
+            .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0) - 1.0)
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn a_frozen_projection_computes_the_same_product_and_no_weight_gradient() {
+        let w = Var::from_tensor(&seeded((24, 16), 1)).unwrap();
+        let proj = Proj::Dense(w.as_tensor().clone());
+        // One row (the LM head at the last position), few rows (the
+        // question), many rows (a context).
+        for rows in [1, 5, 40] {
+            let x =
+                Var::from_tensor(&seeded((rows, 16), 2).reshape((1, rows, 16)).unwrap()).unwrap();
+            let plain = proj.forward(x.as_tensor()).unwrap();
+            let frozen = proj.forward_frozen(x.as_tensor()).unwrap();
+            assert_eq!(plain.dims(), frozen.dims());
+            let (p, f) = (
+                plain.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                frozen.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert_eq!(p, f, "rows {rows}: the forward product differs");
+            let gp = plain.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            let gf = frozen.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            assert!(gp.get(w.as_tensor()).is_some());
+            assert!(
+                gf.get(w.as_tensor()).is_none(),
+                "rows {rows}: a weight gradient"
+            );
+            let d = (gp.get(x.as_tensor()).unwrap() - gf.get(x.as_tensor()).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(d < 1e-4, "rows {rows}: input gradients differ by {d}");
+        }
     }
 }
