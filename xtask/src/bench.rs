@@ -111,6 +111,22 @@ pub struct BenchOptions {
     /// Items over which the bank and KV-only arms are timed.
     #[arg(long, default_value_t = 10)]
     pub bank_items: usize,
+    /// Only the training figure: one bridge trained from scratch on the
+    /// KV augmentation arm (training items from squad_train at --squad).
+    #[arg(long)]
+    pub train_only: bool,
+    /// The bridge's adapted projections (q, kv or qkv).
+    #[arg(long, default_value = "q")]
+    pub train_targets: String,
+    /// Its training items.
+    #[arg(long, default_value_t = 200)]
+    pub train_items: usize,
+    /// Its keep-best slice.
+    #[arg(long, default_value_t = 32)]
+    pub train_slice: usize,
+    /// Its epochs.
+    #[arg(long, default_value_t = 4)]
+    pub train_epochs: usize,
 }
 
 /// The driver's figures: the 20-arm grid and, unless skipped, the key bank's.
@@ -139,6 +155,31 @@ pub fn run(o: BenchOptions) -> Result<()> {
         o.reps,
         o.skip_quantized,
     );
+    if o.train_only {
+        let ck = tolerable_fetch::load(model, Precision::F32, &candle_core::Device::Cpu)?;
+        let mut figures =
+            serde_json::json!({ "model": model, "threads": candle_core::utils::get_num_threads() });
+        figures["bridge"] = crate::bench_train::run(
+            &ck,
+            o.squad.as_deref(),
+            &crate::bench_train::TrainBench {
+                targets: &o.train_targets,
+                items: o.train_items,
+                slice: o.train_slice,
+                epochs: o.train_epochs,
+            },
+        )?;
+        figures["peak_rss_mib"] = peak_rss_mib().into();
+        println!(
+            "{}",
+            if json {
+                figures.to_string()
+            } else {
+                serde_json::to_string_pretty(&figures)?
+            }
+        );
+        return Ok(());
+    }
     if o.arms_only {
         let ck = tolerable_fetch::load(model, Precision::F32, &candle_core::Device::Cpu)?;
         let mut figures =

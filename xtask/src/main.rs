@@ -16,6 +16,7 @@
 mod anchors;
 mod bench;
 mod bench_arms;
+mod bench_train;
 mod measure;
 mod prompts;
 mod sweep;
