@@ -267,8 +267,10 @@ pub fn prepare(program: &ArmProgram, cx: &ItemCx) -> Result<Prepared> {
                 });
             }
             cache = append_kv(&cache, src, lo, hi - lo)?;
-            // Fidelity of an appended segment: its cosine to the native entries at the same positions.
-            if hi <= full.cache.len() {
+            // Fidelity of an appended segment: its cosine to the native
+            // entries at the same positions (a sender pool's entries have
+            // no such counterpart).
+            if hi <= full.cache.len() && step.source.name() != "pool" {
                 let nat = full.cache.narrow(lo, hi - lo)?;
                 let app = src.narrow(lo, hi - lo)?;
                 fid.push(kv_fidelity(

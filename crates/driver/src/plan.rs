@@ -727,24 +727,38 @@ fn compile_arm(
             }
             SourceSpec::Pool(p) => {
                 if inj.mechanism == Mechanism::Append {
-                    return Err(bad(
-                        arm,
-                        f("mechanism"),
-                        "a pool of appended caches is the sender pool of the trained bridges (PROTOCOL §7), not built yet; pools combine states for slot mechanisms",
-                    ));
+                    // The sender pool of KV augmentation (PROTOCOL §7).
+                    if p.router != crate::arm::Router::Uniform {
+                        return Err(bad(
+                            arm,
+                            f("source.pool.router"),
+                            "an appended pool is read by the receiver's own attention: router = \"uniform\" (undirected)",
+                        ));
+                    }
+                    if inj.carrier == Carrier::H || inj.positions != Positions::Passage {
+                        return Err(bad(
+                            arm,
+                            f("positions"),
+                            "an appended pool appends every member's passage keys and values: carrier kv, positions = \"passage\"",
+                        ));
+                    }
+                    let pool = PoolSource::new(p.n, p.router, p.members, None)
+                        .map_err(|why| bad(arm, f("source.pool"), why))?;
+                    Arc::new(pool.appended())
+                } else {
+                    if p.router == crate::arm::Router::Trained && inj.carrier != Carrier::H {
+                        return Err(bad(
+                            arm,
+                            f("carrier"),
+                            "a trained router routes the activation carrier (`h`)",
+                        ));
+                    }
+                    let trained = arm.bridge.as_ref().map(|b| (b.resource.clone(), b.init));
+                    Arc::new(
+                        PoolSource::new(p.n, p.router, p.members, trained)
+                            .map_err(|why| bad(arm, f("source.pool"), why))?,
+                    )
                 }
-                if p.router == crate::arm::Router::Trained && inj.carrier != Carrier::H {
-                    return Err(bad(
-                        arm,
-                        f("carrier"),
-                        "a trained router routes the activation carrier (`h`)",
-                    ));
-                }
-                let trained = arm.bridge.as_ref().map(|b| (b.resource.clone(), b.init));
-                Arc::new(
-                    PoolSource::new(p.n, p.router, p.members, trained)
-                        .map_err(|why| bad(arm, f("source.pool"), why))?,
-                )
             }
             other => {
                 return Err(bad(

@@ -194,6 +194,10 @@ pub struct PoolSource {
     /// The trained router: its bridge resource, and whether its initial
     /// (uniform) maps are used.
     pub trained: Option<(String, bool)>,
+    /// A sender pool for KV augmentation (PROTOCOL §7): every member's
+    /// passage keys and values, one after another, appended for the
+    /// receiver's own attention to read (undirected; no weights).
+    pub append: bool,
 }
 
 impl PoolSource {
@@ -245,6 +249,28 @@ impl PoolSource {
             members,
             weights,
             trained,
+            append: false,
+        })
+    }
+
+    /// The same pool as a sender pool: its members' passages appended.
+    pub fn appended(self) -> Self {
+        Self {
+            append: true,
+            ..self
+        }
+    }
+
+    /// A member's pass and the geometry of the context it read.
+    fn member<'p>(passes: &'p ItemPasses, m: PassRef) -> Result<(&'p Pass, &'p Geometry)> {
+        Ok(match m {
+            PassRef::Partner(r) => {
+                let p = passes.partners.get(r).ok_or_else(|| {
+                    DriverError::Records(format!("internal: pool partner {r} missing"))
+                })?;
+                (&p.0, &p.1)
+            }
+            other => (Self::pass_of(passes, other)?, &passes.geometry),
         })
     }
 
@@ -331,6 +357,33 @@ impl Source for PoolSource {
                 m.insert(l, router.route(passes.base.resid(l)?, &members)?);
             }
             return Ok((CarrierValue::Resid(m), passes.geometry.clone()));
+        }
+        if self.append {
+            // Each member's passage span, in member order (attention reads
+            // a set: the order of appended entries does not matter, each
+            // key keeps the RoPE of its own position).
+            let mut pooled: Option<KvCache> = None;
+            for &m in &self.members {
+                let (pass, g) = Self::member(passes, m)?;
+                let span = pass
+                    .cache
+                    .narrow(g.passage_start, g.context_len - g.passage_start)?;
+                pooled = Some(match pooled {
+                    None => span,
+                    Some(mut acc) => {
+                        acc.append_segment(&span)?;
+                        acc
+                    }
+                });
+            }
+            let pooled =
+                pooled.ok_or_else(|| DriverError::Records("internal: an empty pool".into()))?;
+            let geometry = Geometry {
+                passage_start: 0,
+                context_len: pooled.len(),
+                fact: Vec::new(),
+            };
+            return Ok((CarrierValue::Kv(pooled), geometry));
         }
         let pass_of = |m: PassRef| Self::pass_of(passes, m);
         // Every member is brought to the item's length (positions a shorter

@@ -657,6 +657,10 @@ inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = {{ po
 [[arms]]
 name = "holder_add"
 inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "holder", mechanism = "add", alpha = 2.0 }}
+
+[[arms]]
+name = "sender_pool"
+inject = {{ carrier = "kv", positions = "passage", source = {{ pool = {{ n = 3, router = "uniform" }} }}, mechanism = "append" }}
 "#,
         model.display()
     );
@@ -735,6 +739,31 @@ inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "hold
     let (oracle, uniform, holder) = (by("pool_oracle"), by("pool_uniform"), by("holder_add"));
     assert_eq!(cache_bits(&oracle.cache), cache_bits(&holder.cache));
     assert_ne!(cache_bits(&uniform.cache), cache_bits(&holder.cache));
+    // A sender pool appends each member's passage after the masked cache:
+    // the answer holder's (the full passage's) first, then each partner's.
+    let pooled = by("sender_pool").cache;
+    let base = &passes.base.cache;
+    let span = |c: &tolerable_runtime::KvCache, g: &tolerable_carrier::Geometry| {
+        c.narrow(g.passage_start, g.context_len - g.passage_start)
+            .unwrap()
+    };
+    let mut want = vec![span(native, &passes.geometry)];
+    for (p, g) in &passes.partners {
+        want.push(span(&p.cache, g));
+    }
+    assert_eq!(want.len(), 2 + 1);
+    assert_eq!(
+        pooled.len(),
+        base.len() + want.iter().map(|c| c.len()).sum::<usize>()
+    );
+    let mut at = base.len();
+    for w in &want {
+        assert_eq!(
+            cache_bits(&pooled.narrow(at, w.len()).unwrap()),
+            cache_bits(w)
+        );
+        at += w.len();
+    }
     // The layer budget corrupts layers 0 and 1; every later layer is the native cache, bit for bit.
     let budget = by("budget");
     for l in 0..ck.model.config().n_layers {
@@ -1587,6 +1616,152 @@ fn a_trained_router_learns_its_pool_weights_and_starts_as_the_uniform_router() {
         ("source = { pool = { n = 3, router = \"trained\" } }, mechanism = \"add\", alpha = 2.0 }] }", "source = { pool = { n = 3, router = \"uniform\" } }, mechanism = \"add\", alpha = 2.0 }] }", "trains the pool's router"),
         // Adapters where the pool wants a router.
         ("targets = \"router\"", "targets = \"q\"", "targets"),
+    ] {
+        assert!(text.contains(from), "{from}");
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, text.replacen(from, to, 1)).unwrap();
+        let e = sweep::run(&bad, &opts("bad")).unwrap_err().to_string();
+        assert!(e.contains(want), "{want}: {e}");
+        assert!(!dir.path().join("bad/run.json").exists());
+    }
+}
+
+fn sender_pool_config(dir: &Path, model: &Path) -> PathBuf {
+    let pool = |n: usize, members: &str| {
+        format!(
+            "inject = {{ carrier = \"kv\", positions = \"passage\", source = {{ pool = {{ n = {n}, router = \"uniform\", members = \"{members}\" }} }}, mechanism = \"append\" }}"
+        )
+    };
+    let text = format!(
+        r#"
+[run]
+name = "tiny-sender-pool"
+model = "{}"
+seed = 5
+new_tokens = 3
+cell_items = 3
+
+[data]
+source = "synthetic"
+n = 6
+
+[resources.pool4]
+kind = "bridge"
+targets = "q"
+rank = 4
+train_items = 6
+slice_items = 2
+epochs = 1
+lr = 0.01
+data = "synthetic"
+arm = {{ {} }}
+
+[[arms]]
+name = "kv_augment"
+inject = {{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }}
+
+# A pool of one answer holder is the KV augmentation arm, bit for bit.
+[[arms]]
+name = "pool_one"
+expect = {{ arm = "kv_augment" }}
+{}
+
+[[arms]]
+name = "pool_raw"
+{}
+grid = {{ "source.pool.n" = [2, 4] }}
+
+[[arms]]
+name = "pool_bridged"
+bridge = {{ resource = "pool4" }}
+{}
+grid = {{ "source.pool.n" = [1, 2, 4] }}
+
+[[arms]]
+name = "pool_bridged_init"
+bridge = {{ resource = "pool4", init = true }}
+expect = {{ arm = "pool_raw@source.pool.n=4" }}
+{}
+
+[[arms]]
+name = "pool_bridged_masked"
+bridge = {{ resource = "pool4" }}
+{}
+
+[[arms]]
+name = "pool_bridged_distractors"
+bridge = {{ resource = "pool4" }}
+{}
+"#,
+        model.display(),
+        format!(
+            "{}]",
+            pool(4, "with_answer").replacen("inject = ", "inject = [", 1)
+        ),
+        pool(1, "with_answer"),
+        pool(2, "with_answer"),
+        pool(1, "with_answer"),
+        pool(4, "with_answer"),
+        pool(4, "answer_masked"),
+        pool(4, "distractors_only"),
+    );
+    let p = dir.join("sender-pool.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn a_sender_pool_appends_every_holder_and_its_bridge_trains_at_four() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = sender_pool_config(dir.path(), &model);
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(dir.path().join("resources")),
+        ..Default::default()
+    };
+    sweep::run(&cfg, &opts("a")).unwrap();
+    let out = dir.path().join("a");
+    let r = &run_json(&out)["resources"]["pool4"];
+    assert_eq!(r["obtained"], "built", "{r}");
+    // The gates: a pool of one is KV augmentation; the bridge before
+    // training is the raw pool of four.
+    let mut gated = 0;
+    for cell in std::fs::read_dir(out.join("items")).unwrap() {
+        let (names, rows) = rows(&cell.unwrap().path());
+        let arm = col(&names, &rows, "arm");
+        let exact = col(&names, &rows, "bit_exact");
+        for (i, a) in arm.iter().enumerate() {
+            if a == "pool_one" || a == "pool_bridged_init" {
+                assert_eq!(exact[i], "true", "{a}, row {i}");
+                gated += 1;
+            }
+        }
+    }
+    assert_eq!(gated, 12);
+    for a in [
+        "pool_raw@source.pool.n=4",
+        "pool_bridged@source.pool.n=1",
+        "pool_bridged@source.pool.n=4",
+        "pool_bridged_masked",
+        "pool_bridged_distractors",
+    ] {
+        assert_eq!(continuations(&out, a).len(), 6, "{a}");
+    }
+    // An appended pool is undirected and appends passages: other routers
+    // and positions are named before any work.
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    for (from, to, want) in [
+        (
+            "n = 1, router = \"uniform\"",
+            "n = 1, router = \"oracle\"",
+            "undirected",
+        ),
+        (
+            "positions = \"passage\", source = { pool = { n = 1",
+            "positions = \"fact_region\", source = { pool = { n = 1",
+            "contiguous span",
+        ),
     ] {
         assert!(text.contains(from), "{from}");
         let bad = dir.path().join("bad.toml");

@@ -218,9 +218,14 @@ impl BridgeSpec {
         };
         let plan = crate::plan::compile(&mini, cfg, "receiver", &no_sender)
             .map_err(|e| DriverError::Config(format!("{field} arm: {e}")))?;
-        // A router's pool holds other training items' passages; adapters
-        // are trained on the item's own passes.
-        let partners_ok = self.targets == BridgeTargets::Router;
+        // A pool (a router's, or a sender pool) holds other training items'
+        // passages; otherwise a bridge is trained on the item's own passes.
+        let partners_ok = self.targets == BridgeTargets::Router
+            || self
+                .arm
+                .inject
+                .iter()
+                .any(|i| matches!(i.source, SourceSpec::Pool(_)));
         if (plan.needs.partners > 0 && !partners_ok)
             || !plan.resources.is_empty()
             || !plan.senders.is_empty()
