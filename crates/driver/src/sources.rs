@@ -262,7 +262,7 @@ impl PoolSource {
     }
 
     /// A member's pass and the geometry of the context it read.
-    fn member<'p>(passes: &'p ItemPasses, m: PassRef) -> Result<(&'p Pass, &'p Geometry)> {
+    fn member(passes: &ItemPasses, m: PassRef) -> Result<(&Pass, &Geometry)> {
         Ok(match m {
             PassRef::Partner(r) => {
                 let p = passes.partners.get(r).ok_or_else(|| {
