@@ -1632,6 +1632,10 @@ fn sender_pool_config(dir: &Path, model: &Path) -> PathBuf {
             "inject = {{ carrier = \"kv\", positions = \"passage\", source = {{ pool = {{ n = {n}, router = \"uniform\", members = \"{members}\" }} }}, mechanism = \"append\" }}"
         )
     };
+    let train_arm = format!(
+        "{}]",
+        pool(4, "with_answer").replacen("inject = ", "inject = [", 1)
+    );
     let text = format!(
         r#"
 [run]
