@@ -1698,10 +1698,7 @@ bridge = {{ resource = "pool4" }}
 {}
 "#,
         model.display(),
-        format!(
-            "{}]",
-            pool(4, "with_answer").replacen("inject = ", "inject = [", 1)
-        ),
+        train_arm,
         pool(1, "with_answer"),
         pool(2, "with_answer"),
         pool(1, "with_answer"),
