@@ -1146,3 +1146,149 @@ impl ResourceKind for BridgeSpec {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tolerable_testkit::tiny::{write_gguf, TinySpec};
+
+    /// The router's training step scores exactly what the evaluation arm
+    /// builds: the same item, the same pool and the same maps give the same
+    /// first-token loss through `router_score` (training) and through the
+    /// pool source, `exec::prepare` and the question (evaluation).
+    #[test]
+    fn router_training_scores_what_the_routed_arm_evaluates() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        write_gguf(
+            &TinySpec {
+                context_length: 1024,
+                ..TinySpec::default()
+            },
+            &path,
+        )
+        .unwrap();
+        let ck = tolerable_fetch::load(
+            path.to_str().unwrap(),
+            tolerable_runtime::Precision::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let model = &ck.model;
+        let inject = "{ carrier = \"h\", layers = 1, positions = \"fact_region\", source = { pool = { n = 3, router = \"trained\" } }, mechanism = \"add\", alpha = 2.0 }";
+        let text = format!(
+            "[run]\nname = \"t\"\n[data]\nsource = \"synthetic\"\nn = 1\n\
+             [resources.router]\nkind = \"bridge\"\ntargets = \"router\"\nrank = 4\ndata = \"synthetic\"\n\
+             arm = {{ inject = [{inject}] }}\n\
+             [[arms]]\nname = \"routed\"\nbridge = {{ resource = \"router\" }}\ninject = {inject}\n"
+        );
+        let cfg = SweepConfig::parse(&text).unwrap();
+        let ResourceSpec::Bridge(spec) = &cfg.resources["router"] else {
+            panic!("not a bridge")
+        };
+        let train_plan = spec.compile("[resources.router]", model.config()).unwrap();
+        let eval_plan =
+            crate::plan::compile(&cfg, model.config(), "tiny", &|_| unreachable!()).unwrap();
+        let items = tolerable_probe::sample::sample(
+            &tolerable_probe::synthetic::generate(12, 3),
+            &ck.tokenizer,
+            &tolerable_probe::SplitOptions::default(),
+            6,
+            3,
+        )
+        .unwrap();
+        let set = crate::items::ItemSet::new(items.items, 2, 3).unwrap();
+        // Non-trivial maps: neither is zero.
+        let d = model.config().d_model;
+        let map = |seed| {
+            Tensor::from_vec(
+                tolerable_carrier::uniform_symmetric(d * 4, 0.5, seed),
+                (d, 4),
+                &Device::Cpu,
+            )
+            .unwrap()
+        };
+        let router = RouterLayer {
+            layer: 1,
+            wq: map(1),
+            wk: map(2),
+        };
+        let value: Value = Arc::new(BridgeValue {
+            trained: Vec::new(),
+            init: Vec::new(),
+            curve: Vec::new(),
+            best_epoch: 0,
+            stopped: None,
+            router: vec![router.clone()],
+            init_router: vec![router.clone()],
+        });
+        let resources = BTreeMap::from([("router".to_string(), value)]);
+        for i in 0..3 {
+            let it = &set.items[i];
+            let passes = |needs| {
+                crate::passes::item_passes(
+                    model,
+                    &set.pairs[i],
+                    &set.partners_of(i),
+                    needs,
+                    &BTreeMap::new(),
+                )
+                .unwrap()
+            };
+            let program = |plan: &crate::plan::Plan, name: &str| {
+                plan.programs
+                    .iter()
+                    .find(|p| p.name == name)
+                    .unwrap()
+                    .clone()
+            };
+            let tp = passes(&train_plan.needs);
+            let ex = router_example(
+                spec,
+                &tp,
+                &program(&train_plan, TRAIN_ARM),
+                it,
+                &ck.tokenizer,
+            )
+            .unwrap();
+            let (train_loss, _) = router_score(model, &ex, &router).unwrap();
+            let ep = passes(&eval_plan.needs);
+            let memo = crate::transforms::Memo::default();
+            let cx = crate::exec::ItemCx {
+                model,
+                passes: &ep,
+                index: i,
+                seed: 0,
+                resources: &resources,
+                memo: &memo,
+            };
+            let prepared = crate::exec::prepare(&program(&eval_plan, "routed"), &cx).unwrap();
+            let (eval_loss, _) = question_score(
+                model,
+                prepared.cache,
+                &ex.question,
+                ex.target,
+                &prepared.question,
+            )
+            .unwrap();
+            let (a, b) = (
+                train_loss.to_scalar::<f32>().unwrap(),
+                eval_loss.to_scalar::<f32>().unwrap(),
+            );
+            assert!(
+                (a - b).abs() < 1e-4,
+                "item {i}: training {a}, evaluation {b}"
+            );
+            // The routed pool moves the loss off the floor's.
+            let (floor, _) = question_score(
+                model,
+                ep.base.cache.clone(),
+                &ex.question,
+                ex.target,
+                &HookSpec::new(),
+            )
+            .unwrap();
+            assert_ne!(floor.to_scalar::<f32>().unwrap(), b, "item {i}");
+        }
+    }
+}
