@@ -195,12 +195,75 @@ pub fn item_passes(
     needs: &PassNeeds,
     senders: &BTreeMap<String, Model>,
 ) -> Result<ItemPasses> {
-    item_passes_with(model, pair, partners, needs, senders, None)
+    item_passes_with(model, pair, partners, needs, senders, None, None)
 }
 
-/// As [`item_passes`], with the plan's cross-family holders: a sender key
+/// Mis-source partners' passes, read once per partner for the whole item
+/// set: an item that is the partner of several items (every item of a pool
+/// of N holders has N - 1) is read once. The same call computes the same
+/// pass, so a cached pass is the pass. Bounded: past `limit` entries the
+/// oldest half is dropped.
+#[derive(Debug)]
+pub struct PartnerPasses {
+    map: std::sync::Mutex<(Vec<String>, std::collections::HashMap<String, Pass>)>,
+    limit: usize,
+}
+
+impl Default for PartnerPasses {
+    fn default() -> Self {
+        Self::with_limit(512)
+    }
+}
+
+impl PartnerPasses {
+    /// A cache of at most `limit` partner passes.
+    pub fn with_limit(limit: usize) -> Self {
+        Self {
+            map: Default::default(),
+            limit: limit.max(1),
+        }
+    }
+
+    /// The pass of `pair`'s alternative context capturing `need`.
+    pub fn get_or_read(
+        &self,
+        model: &Model,
+        pair: &ContextPair,
+        need: &BTreeSet<usize>,
+    ) -> Result<Pass> {
+        let key = format!("{} {:?}", pair.id, need);
+        if let Some(p) = self.map.lock().ok().and_then(|m| m.1.get(&key).cloned()) {
+            return Ok(p);
+        }
+        let pass = partner_pass(model, pair, need)?;
+        if let Ok(mut m) = self.map.lock() {
+            if m.0.len() >= self.limit {
+                let old: Vec<String> = m.0.drain(..self.limit.div_ceil(2)).collect();
+                for k in old {
+                    m.1.remove(&k);
+                }
+            }
+            m.0.push(key.clone());
+            m.1.insert(key, pass.clone());
+        }
+        Ok(pass)
+    }
+
+    /// Passes held.
+    pub fn len(&self) -> usize {
+        self.map.lock().map(|m| m.1.len()).unwrap_or(0)
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// As [`item_passes`], with the plan's cross-family holders (a sender key
 /// that is no held-out sender is a cross-family holder, whose pass is its
-/// projected reading of the alternative context ([`crate::cross`]).
+/// projected reading of the alternative context, [`crate::cross`]) and the
+/// item set's partner passes read so far.
 pub fn item_passes_with(
     model: &Model,
     pair: &ContextPair,
@@ -208,6 +271,7 @@ pub fn item_passes_with(
     needs: &PassNeeds,
     senders: &BTreeMap<String, Model>,
     foreign: Option<&crate::cross::ForeignCx>,
+    read: Option<&PartnerPasses>,
 ) -> Result<ItemPasses> {
     let (base, alt) = context_passes(model, pair, needs)?;
     if partners.len() < needs.partners {
@@ -220,7 +284,11 @@ pub fn item_passes_with(
     }
     let mut ps = Vec::with_capacity(needs.partners);
     for p in partners.iter().take(needs.partners) {
-        ps.push((partner_pass(model, p, &needs.partner_resid)?, geometry(p)));
+        let pass = match read {
+            Some(r) => r.get_or_read(model, p, &needs.partner_resid)?,
+            None => partner_pass(model, p, &needs.partner_resid)?,
+        };
+        ps.push((pass, geometry(p)));
     }
     let queries = question_queries(model, pair, &alt, &needs.queries)?;
     let mut sender_passes = BTreeMap::new();
@@ -257,4 +325,63 @@ pub fn item_passes_with(
         queries,
         senders: sender_passes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tolerable_testkit::tiny::{write_gguf, TinySpec};
+
+    #[test]
+    fn a_partner_is_read_once_and_the_cache_stays_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        write_gguf(
+            &TinySpec {
+                context_length: 1024,
+                ..TinySpec::default()
+            },
+            &path,
+        )
+        .unwrap();
+        let ck = tolerable_fetch::load(
+            path.to_str().unwrap(),
+            tolerable_runtime::Precision::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let items = tolerable_probe::sample::sample(
+            &tolerable_probe::synthetic::generate(8, 1),
+            &ck.tokenizer,
+            &tolerable_probe::SplitOptions::default(),
+            3,
+            1,
+        )
+        .unwrap();
+        let pairs: Vec<ContextPair> = items.items.iter().map(|i| i.pair()).collect();
+        let need = BTreeSet::from([1usize]);
+        let read = PartnerPasses::with_limit(2);
+        let bits = |p: &Pass| {
+            let k = &p.cache.require_layer(0).unwrap().k;
+            let r = &p.resid[&1];
+            (
+                k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                r.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            )
+        };
+        let fresh = partner_pass(&ck.model, &pairs[0], &need).unwrap();
+        let a = read.get_or_read(&ck.model, &pairs[0], &need).unwrap();
+        let b = read.get_or_read(&ck.model, &pairs[0], &need).unwrap();
+        assert_eq!(read.len(), 1);
+        assert_eq!(bits(&a), bits(&fresh));
+        assert_eq!(bits(&b), bits(&fresh));
+        read.get_or_read(&ck.model, &pairs[1], &need).unwrap();
+        read.get_or_read(&ck.model, &pairs[2], &need).unwrap();
+        assert!(read.len() <= 2, "{}", read.len());
+        // Another capture set is another pass.
+        let other = read
+            .get_or_read(&ck.model, &pairs[2], &BTreeSet::from([0usize]))
+            .unwrap();
+        assert!(other.resid.contains_key(&0) && !other.resid.contains_key(&1));
+    }
 }

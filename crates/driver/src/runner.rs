@@ -65,6 +65,7 @@ pub struct Runner<'a> {
     greedy: GreedyOptions,
     seed: u64,
     batching: Batching,
+    partner_passes: crate::passes::PartnerPasses,
 }
 
 impl<'a> Runner<'a> {
@@ -86,6 +87,7 @@ impl<'a> Runner<'a> {
             greedy: GreedyOptions::tokens(new_tokens),
             seed,
             batching: Batching::Batched,
+            partner_passes: Default::default(),
         }
     }
 
@@ -147,6 +149,7 @@ impl<'a> Runner<'a> {
             &self.plan.needs,
             self.senders.unwrap_or(&none),
             foreign.as_ref(),
+            Some(&self.partner_passes),
         )?;
         timing.passes_s = t_passes.elapsed().as_secs_f64();
         let memo = Memo::default();

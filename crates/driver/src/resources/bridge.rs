@@ -332,6 +332,7 @@ fn examples<E: Send + Sync + 'static>(
         })?;
     let none = BTreeMap::new();
     let senders = BTreeMap::new();
+    let partner_passes = crate::passes::PartnerPasses::default();
     let bar = ProgressBar::new(range.len() as u64);
     bar.set_style(
         ProgressStyle::with_template(&format!(
@@ -350,12 +351,14 @@ fn examples<E: Send + Sync + 'static>(
         );
         let v = cx.scratch.get_or_make(&key, || {
             let pair = &set.pairs[i];
-            let passes = crate::passes::item_passes(
+            let passes = crate::passes::item_passes_with(
                 model,
                 pair,
                 &set.partners_of(i),
                 &plan.needs,
                 &senders,
+                None,
+                Some(&partner_passes),
             )?;
             let memo = crate::transforms::Memo::default();
             let icx = crate::exec::ItemCx {
