@@ -678,16 +678,27 @@ impl Model {
         let x = (x + attn_out)?;
         let x = self.hook(spec, ResidMid(l), x, hc)?;
         let h = self.rms(&x, &blk.ffn_norm)?;
-        let (gate, up) = match &blk.gate_up {
-            GateUp::Fused(w) => {
+        let post = match &blk.gate_up {
+            // One pass over the fused projection's output where nothing
+            // reads or edits the gate: the same arithmetic as silu, then
+            // the product (bit for bit), without the strided halves.
+            GateUp::Fused(w) if self.kernels == Kernels::Fused && !spec.touches(MlpPre(l)) => {
                 let y = self.proj(w, &h)?;
-                let f = self.cfg.d_ffn;
-                (y.narrow(2, 0, f)?, y.narrow(2, f, f)?)
+                y.apply_op1_no_bwd(&SiluMul)?
             }
-            GateUp::Split(gw, uw) => (self.proj(gw, &h)?, self.proj(uw, &h)?),
+            gate_up => {
+                let (gate, up) = match gate_up {
+                    GateUp::Fused(w) => {
+                        let y = self.proj(w, &h)?;
+                        let f = self.cfg.d_ffn;
+                        (y.narrow(2, 0, f)?, y.narrow(2, f, f)?)
+                    }
+                    GateUp::Split(gw, uw) => (self.proj(gw, &h)?, self.proj(uw, &h)?),
+                };
+                let gate = self.hook(spec, MlpPre(l), gate, hc)?;
+                (gate.silu()? * up)?
+            }
         };
-        let gate = self.hook(spec, MlpPre(l), gate, hc)?;
-        let post = (gate.silu()? * up)?;
         let post = self.hook(spec, MlpPost(l), post, hc)?;
         let mlp_out = self.proj(&blk.down, &post)?;
         let mlp_out = self.hook(spec, MlpOut(l), mlp_out, hc)?;
@@ -853,4 +864,42 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
         .reshape((n, 1))?;
     let ang = pos.matmul(&inv)?;
     Ok((ang.cos()?, ang.sin()?))
+}
+
+/// `silu(gate) * up` over a fused gate/up projection's output `[.., 2f]`
+/// (gate first): `g / (1 + exp(-g)) * u` per element, candle's silu and
+/// product in one pass.
+struct SiluMul;
+
+impl candle_core::CustomOp1 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (a, b) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("silu-mul: a strided input".into()))?;
+        let x = &storage.as_slice::<f32>()?[a..b];
+        let dims = layout.shape().dims();
+        let two_f = *dims.last().unwrap_or(&0);
+        if two_f % 2 != 0 {
+            candle_core::bail!("silu-mul: an odd last axis {two_f}");
+        }
+        let f = two_f / 2;
+        let mut out = Vec::with_capacity(x.len() / 2);
+        for row in x.chunks_exact(two_f) {
+            let (g, u) = row.split_at(f);
+            out.extend(g.iter().zip(u).map(|(&g, &u)| (g / (1.0 + (-g).exp())) * u));
+        }
+        let mut shape = dims.to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = f;
+        }
+        Ok((candle_core::CpuStorage::F32(out), shape.into()))
+    }
 }

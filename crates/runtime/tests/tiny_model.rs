@@ -921,3 +921,44 @@ fn token_offsets_spell_the_text_the_ids_were_read_from() {
     assert_eq!(text, segs.concat());
     assert_eq!(spans.last().unwrap().1, text.len());
 }
+
+#[test]
+fn the_fused_mlp_activation_is_bit_identical_to_silu_times_up() {
+    let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
+    let m = &ck.model;
+    let ids = ck.tokenizer.encode(PROMPTS[0]).unwrap();
+    let t = m.tokens(&[ids]).unwrap();
+    // Capturing the gate at every layer takes the unfused path everywhere.
+    let n = m.config().n_layers;
+    let unfused = HookSpec::new().capture_all((0..n).map(HookPoint::MlpPre));
+    let run = |spec: &HookSpec| {
+        let out = m
+            .forward(&t, &mut m.new_cache(1), spec, LogitsAt::All)
+            .unwrap();
+        out.logits
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_eq!(run(&HookSpec::new()), run(&unfused));
+    // The MLP's post-activation captured both ways, bit for bit.
+    let post = |extra: bool| {
+        let mut spec = HookSpec::new().capture(HookPoint::MlpPost(1));
+        if extra {
+            spec = spec.capture(HookPoint::MlpPre(1));
+        }
+        let out = m
+            .forward(&t, &mut m.new_cache(1), &spec, LogitsAt::None)
+            .unwrap();
+        out.hooks
+            .require(HookPoint::MlpPost(1))
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_eq!(post(false), post(true));
+}
