@@ -887,7 +887,7 @@ impl candle_core::CustomOp1 for SiluMul {
         let x = &storage.as_slice::<f32>()?[a..b];
         let dims = layout.shape().dims();
         let two_f = *dims.last().unwrap_or(&0);
-        if two_f % 2 != 0 {
+        if !two_f.is_multiple_of(2) {
             candle_core::bail!("silu-mul: an odd last axis {two_f}");
         }
         let f = two_f / 2;
