@@ -111,6 +111,10 @@ pub struct BenchOptions {
     /// Items over which the bank and KV-only arms are timed.
     #[arg(long, default_value_t = 10)]
     pub bank_items: usize,
+    /// A second model whose f32 prefill (ours and candle-transformers') is
+    /// timed too (the papers' geometry: qwen2.5-coder-1.5b-instruct).
+    #[arg(long)]
+    pub second_model: Option<String>,
     /// Only the training figure: one bridge trained from scratch on the
     /// KV augmentation arm (training items from squad_train at --squad).
     #[arg(long)]
@@ -216,6 +220,19 @@ pub fn run(o: BenchOptions) -> Result<()> {
             &mut || reference.last_logits(&ids).map(|_| ()).map_err(Into::into),
         ],
     )?;
+    // candle-transformers' batch-1 decoding on the same 32-token prompt.
+    let cand_dec1 = {
+        let prompt = &ids[..32];
+        let logits = reference.last_logits(prompt)?;
+        let mut next = logits.argmax(candle_core::D::Minus1)?.to_scalar::<u32>()?;
+        let steps = 16;
+        let s = Instant::now();
+        for i in 0..steps {
+            let l = reference.next_logits(next, prompt.len() + i)?;
+            next = l.argmax(candle_core::D::Minus1)?.to_scalar::<u32>()?;
+        }
+        steps as f64 / s.elapsed().as_secs_f64()
+    };
     drop(reference);
     let (ours_f32, ours_cap, cand_f32) = (t[0], t[1], t[2]);
     eprintln!(
@@ -230,6 +247,7 @@ pub fn run(o: BenchOptions) -> Result<()> {
     let dec1 = decode_tps(m, &ids, 1, 16)?;
     let dec16 = decode_tps(m, &ids, 16, 16)?;
     eprintln!("  ours f32 decode: batch 1 {dec1:.2} tok/s, batch 16 {dec16:.2} tok/s");
+    eprintln!("  candle-transformers f32 decode: batch 1 {cand_dec1:.2} tok/s");
 
     let mut figures = serde_json::json!({
         "model": model,
@@ -238,13 +256,19 @@ pub fn run(o: BenchOptions) -> Result<()> {
         "reps": reps,
         "prefill_s": { "ours_f32": ours_f32, "ours_f32_capture_all": ours_cap, "candle_f32": cand_f32 },
         "prefill_tok_per_s_ours_f32": n as f64 / ours_f32,
-        "decode_tok_per_s": { "f32_batch1": dec1, "f32_batch16": dec16 },
+        "decode_tok_per_s": { "f32_batch1": dec1, "f32_batch16": dec16, "candle_f32_batch1": cand_dec1 },
+        "backend": tolerable_runtime::MATMUL_BACKEND,
         "hooks_off_vs_candle": ours_f32 / cand_f32,
+        "prefill_vs_candle": ours_f32 / cand_f32,
+        "decode_b1_vs_candle": cand_dec1 / dec1,
         "capture_all_vs_hooks_off": ours_cap / ours_f32,
         "decode_batch16_speedup": dec16 / dec1,
     });
     if !skip_quantized {
         quantized(&ck, &ids, reps, &capture_all, &mut figures)?;
+    }
+    if let Some(second) = &o.second_model {
+        figures["second_model"] = second_prefill(second, n, reps)?;
     }
     if !o.skip_arms {
         figures["arms"] = driver_figures(&ck, &o)?;
@@ -256,6 +280,30 @@ pub fn run(o: BenchOptions) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&figures)?);
     }
     Ok(())
+}
+
+/// Our f32 prefill against candle-transformers' on another model.
+fn second_prefill(model: &str, n: usize, reps: usize) -> Result<serde_json::Value> {
+    let dev = candle_core::Device::Cpu;
+    let ck = tolerable_fetch::load(model, Precision::F32, &dev)?;
+    let ids = prompt_ids(&ck, n)?;
+    let mut reference = Reference::load(&ck.path, Precision::F32, &dev)?;
+    let t = interleaved(
+        reps,
+        &mut [
+            &mut || prefill(&ck.model, &ids, &HookSpec::new()),
+            &mut || reference.last_logits(&ids).map(|_| ()).map_err(Into::into),
+        ],
+    )?;
+    eprintln!(
+        "  {model}: ours f32 prefill {:.3} s, candle-transformers {:.3} s",
+        t[0], t[1]
+    );
+    Ok(serde_json::json!({
+        "model": model,
+        "prefill_s": { "ours_f32": t[0], "candle_f32": t[1] },
+        "prefill_vs_candle": t[0] / t[1],
+    }))
 }
 
 /// The quantized figures: our QMatMul path against candle-transformers' quantized model.

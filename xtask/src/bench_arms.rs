@@ -138,6 +138,7 @@ pub fn run(
         "shared_passes_s": passes_per_item,
         "kv_arm_s": arm_s,
         "kv_arm_fraction_of_prefill": arm_s / prefill_per_item,
+        "kv_arm_share_of_prefill": arm_s / prefill_per_item,
         "arm_items_per_s_batched": batched_rate,
         "arm_items_per_s_one_at_a_time": single_rate,
         "arm_items_per_s_independent_runs": independent_rate,

@@ -740,6 +740,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")),
         "gates_passed": true,
         "threads": candle_core::utils::get_num_threads(),
+        "matmul_backend": tolerable_runtime::MATMUL_BACKEND,
         "unix_time": std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

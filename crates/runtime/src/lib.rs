@@ -22,7 +22,7 @@ pub use error::{Result, RuntimeError};
 pub use hooks::{Adapter, Edit, HookCache, HookPoint, HookSpec, Intervention, Projection};
 pub use kv_cache::{KvCache, LayerKv, Segment, SegmentKind};
 pub use model::{ForwardOutput, Generation, GreedyOptions, Kernels, LogitsAt, Model};
-pub use weights::{Precision, Proj};
+pub use weights::{Precision, Proj, MATMUL_BACKEND};
 pub mod tokenizer;
 pub use checkpoint::Checkpoint;
 pub use tokenizer::{Spans, Tokenizer};

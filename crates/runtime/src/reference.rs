@@ -91,6 +91,12 @@ impl Reference {
         self.step(ids, 0)
     }
 
+    /// The logits after one more token `id` at position `index_pos` of the
+    /// sequence in the reference's own cache (a decoding step).
+    pub fn next_logits(&mut self, id: u32, index_pos: usize) -> Result<Tensor> {
+        self.step(&[id], index_pos)
+    }
+
     /// Greedy continuation of `ids`: prefill in one call, then `n` tokens.
     pub fn greedy(&mut self, ids: &[u32], n: usize) -> Result<Vec<u32>> {
         let mut logits = self.step(ids, 0)?;

@@ -42,6 +42,10 @@ impl std::str::FromStr for Precision {
     }
 }
 
+/// The matrix-multiply backend of this build's f32 projections (recorded
+/// in every run's `run.json` and in the bench).
+pub const MATMUL_BACKEND: &str = "candle CPU matmul (gemm crate)";
+
 /// Up to this many rows, a dense projection multiplies as (W xᵀ)ᵀ.
 const SMALL_BATCH_ROWS: usize = 32;
 

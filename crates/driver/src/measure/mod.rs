@@ -475,6 +475,7 @@ pub(crate) fn run_meta(
         "build_revision": build_revision(),
         "gates": gates,
         "threads": candle_core::utils::get_num_threads(),
+        "matmul_backend": tolerable_runtime::MATMUL_BACKEND,
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "invocations": invocations,
     })
