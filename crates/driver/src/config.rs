@@ -168,11 +168,12 @@ impl SweepConfig {
             None => {}
             Some(toml::Value::Table(t)) => {
                 for (name, v) in t {
-                    let spec: ResourceSpec =
-                        v.clone().try_into().map_err(|e: toml::de::Error| {
+                    for (name, v) in expand_resource(name, v)? {
+                        let spec: ResourceSpec = v.try_into().map_err(|e: toml::de::Error| {
                             cfg_err(format!("[resources.{name}]: {}", e.message()))
                         })?;
-                    resources.insert(name.clone(), spec);
+                        resources.insert(name, spec);
+                    }
                 }
             }
             Some(_) => {
@@ -400,19 +401,7 @@ fn expand_arm(i: usize, raw: toml::Value) -> Result<Vec<PlannedArm>> {
             "`grid` varies injection fields, but the arm has no `inject`".into(),
         ));
     }
-    // Cartesian product of the grid values, first key slowest.
-    let mut points: Vec<Vec<(String, toml::Value)>> = vec![Vec::new()];
-    for (k, vals) in &grid {
-        let mut next = Vec::new();
-        for p in &points {
-            for v in vals {
-                let mut q = p.clone();
-                q.push((k.clone(), v.clone()));
-                next.push(q);
-            }
-        }
-        points = next;
-    }
+    let points = grid_points(&grid);
     let mut out = Vec::new();
     for p in points {
         let mut t = toml::Value::Table(table.clone());
@@ -434,14 +423,7 @@ fn expand_arm(i: usize, raw: toml::Value) -> Result<Vec<PlannedArm>> {
             .map(|(k, v)| (k.clone(), serde_json::to_value(v).unwrap_or_default()))
             .collect();
         if !p.is_empty() {
-            let mut named: Vec<(&String, String)> =
-                p.iter().map(|(k, v)| (k, value_text(v))).collect();
-            named.sort();
-            let suffix: Vec<String> = named.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            t.insert(
-                "name".into(),
-                toml::Value::String(format!("{name}@{}", suffix.join(","))),
-            );
+            t.insert("name".into(), toml::Value::String(point_name(&name, &p)));
         }
         let arm: Arm = toml::Value::Table(t)
             .try_into()
@@ -452,6 +434,62 @@ fn expand_arm(i: usize, raw: toml::Value) -> Result<Vec<PlannedArm>> {
             point,
             index: Some(i),
         });
+    }
+    Ok(out)
+}
+
+/// The cartesian product of a grid's values, first key slowest.
+fn grid_points(grid: &[(String, Vec<toml::Value>)]) -> Vec<Vec<(String, toml::Value)>> {
+    let mut points: Vec<Vec<(String, toml::Value)>> = vec![Vec::new()];
+    for (k, vals) in grid {
+        let mut next = Vec::new();
+        for p in &points {
+            for v in vals {
+                let mut q = p.clone();
+                q.push((k.clone(), v.clone()));
+                next.push(q);
+            }
+        }
+        points = next;
+    }
+    points
+}
+
+/// The name of a grid point: `name@key=value,...`, keys sorted.
+fn point_name(name: &str, point: &[(String, toml::Value)]) -> String {
+    let mut named: Vec<(&String, String)> = point.iter().map(|(k, v)| (k, value_text(v))).collect();
+    named.sort();
+    let suffix: Vec<String> = named.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!("{name}@{}", suffix.join(","))
+}
+
+/// A `[resources.<name>]` table, or one resource per point of its `grid`
+/// (`grid = { seed = [0, 1, 2] }` gives `<name>@seed=0` .. `<name>@seed=2`,
+/// named as arm grid points are; arms name them in their own grids).
+fn expand_resource(name: &str, v: &toml::Value) -> Result<Vec<(String, toml::Value)>> {
+    let at = |m: String| cfg_err(format!("[resources.{name}]: {m}"));
+    let mut table = match v {
+        toml::Value::Table(t) => t.clone(),
+        _ => return Err(at("not a table".into())),
+    };
+    let grid: Vec<(String, Vec<toml::Value>)> = match table.remove("grid") {
+        None => return Ok(vec![(name.to_string(), v.clone())]),
+        Some(toml::Value::Table(g)) => g
+            .into_iter()
+            .map(|(k, v)| match v {
+                toml::Value::Array(vals) if !vals.is_empty() => Ok((k, vals)),
+                _ => Err(at(format!("`grid.{k}` must be a non-empty list of values"))),
+            })
+            .collect::<Result<_>>()?,
+        Some(_) => return Err(at("`grid` must be a table of lists".into())),
+    };
+    let mut out = Vec::new();
+    for p in grid_points(&grid) {
+        let mut t = toml::Value::Table(table.clone());
+        for (k, v) in &p {
+            set_dotted(&mut t, k, v.clone()).map_err(|m| at(format!("`grid.{k}`: {m}")))?;
+        }
+        out.push((point_name(name, &p), t));
     }
     Ok(out)
 }

@@ -263,6 +263,47 @@ fn malformed_configs_and_unknown_fields_name_the_problem() {
     assert!(e.contains("wiki"), "{e}");
 }
 
+#[test]
+fn a_resource_grid_declares_one_resource_per_point_that_arms_name() {
+    let text = r#"
+[run]
+name = "seeds"
+[data]
+source = "synthetic"
+n = 2
+[resources.lora_q]
+kind = "bridge"
+targets = "q"
+data = "synthetic"
+arm = { inject = [{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }] }
+grid = { seed = [0, 1, 2] }
+[[arms]]
+name = "bridged"
+bridge = { resource = "lora_q@seed=0" }
+inject = { carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }
+grid = { "bridge.resource" = ["lora_q@seed=0", "lora_q@seed=1", "lora_q@seed=2"] }
+"#;
+    let cfg = SweepConfig::parse(text).unwrap();
+    let names: Vec<&String> = cfg.resources.keys().collect();
+    assert_eq!(names, ["lora_q@seed=0", "lora_q@seed=1", "lora_q@seed=2"]);
+    for (i, name) in names.iter().enumerate() {
+        let json = serde_json::to_value(&cfg.resources[*name]).unwrap();
+        assert_eq!(json["seed"], i as u64, "{json}");
+        assert!(json.get("grid").is_none());
+    }
+    round_trip(&cfg);
+    let plan =
+        tolerable_driver::compile(&cfg, &receiver(), "receiver", &|_| unreachable!()).unwrap();
+    assert_eq!(plan.resources.len(), 3);
+    // A grid that is not a table of lists is named.
+    let bad = text.replace("grid = { seed = [0, 1, 2] }", "grid = { seed = 1 }");
+    let e = SweepConfig::parse(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains("[resources.lora_q]") && e.contains("grid.seed"),
+        "{e}"
+    );
+}
+
 fn receiver() -> ModelConfig {
     let spec = TinySpec::default();
     let dir = tempfile::tempdir().unwrap();
