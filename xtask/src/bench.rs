@@ -66,6 +66,9 @@ fn decode_tps(m: &Model, ids: &[u32], batch: usize, steps: usize) -> Result<f64>
     Ok((batch * steps) as f64 / s.elapsed().as_secs_f64())
 }
 
+/// One section of figures computed on the loaded receiver.
+type Figure<'a> = dyn Fn(&Checkpoint) -> Result<serde_json::Value> + 'a;
+
 /// What `cargo xtask bench` measures.
 #[derive(clap::Args)]
 pub struct BenchOptions {
@@ -159,36 +162,30 @@ pub fn run(o: BenchOptions) -> Result<()> {
         o.reps,
         o.skip_quantized,
     );
-    if o.train_only {
+    // The driver-only figures: one section beside the model and threads.
+    let section: Option<(&str, &Figure)> = if o.train_only {
+        Some(("bridge", &|ck: &Checkpoint| {
+            crate::bench_train::run(
+                ck,
+                o.squad.as_deref(),
+                &crate::bench_train::TrainBench {
+                    targets: &o.train_targets,
+                    items: o.train_items,
+                    slice: o.train_slice,
+                    epochs: o.train_epochs,
+                },
+            )
+        }))
+    } else if o.arms_only {
+        Some(("arms", &|ck: &Checkpoint| driver_figures(ck, &o)))
+    } else {
+        None
+    };
+    if let Some((key, figure)) = section {
         let ck = tolerable_fetch::load(model, Precision::F32, &candle_core::Device::Cpu)?;
         let mut figures =
             serde_json::json!({ "model": model, "threads": candle_core::utils::get_num_threads() });
-        figures["bridge"] = crate::bench_train::run(
-            &ck,
-            o.squad.as_deref(),
-            &crate::bench_train::TrainBench {
-                targets: &o.train_targets,
-                items: o.train_items,
-                slice: o.train_slice,
-                epochs: o.train_epochs,
-            },
-        )?;
-        figures["peak_rss_mib"] = peak_rss_mib().into();
-        println!(
-            "{}",
-            if json {
-                figures.to_string()
-            } else {
-                serde_json::to_string_pretty(&figures)?
-            }
-        );
-        return Ok(());
-    }
-    if o.arms_only {
-        let ck = tolerable_fetch::load(model, Precision::F32, &candle_core::Device::Cpu)?;
-        let mut figures =
-            serde_json::json!({ "model": model, "threads": candle_core::utils::get_num_threads() });
-        figures["arms"] = driver_figures(&ck, &o)?;
+        figures[key] = figure(&ck)?;
         figures["peak_rss_mib"] = peak_rss_mib().into();
         println!(
             "{}",

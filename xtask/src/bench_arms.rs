@@ -147,6 +147,57 @@ pub fn run(
     }))
 }
 
+/// Where the benches' resources take training items: squad_train when a
+/// SQuAD folder is known, else synthetic items.
+pub fn training_source(squad: Option<&std::path::Path>) -> &'static str {
+    if squad.is_some() || std::env::var_os("TOLERABLE_SQUAD_DIR").is_some() {
+        "squad_train"
+    } else {
+        "synthetic"
+    }
+}
+
+/// Builds resource `name` of `kind` from scratch on the receiver, as a
+/// sweep would (training items drawn from squad_train at `squad`, else the
+/// synthetic source the spec names; `eval` kept out), never from the cache.
+/// Returns the training items, the value and the build's seconds (drawing
+/// the items included).
+pub fn build_fresh(
+    ck: &Checkpoint,
+    squad: Option<&std::path::Path>,
+    name: &str,
+    kind: &dyn tolerable_driver::resources::ResourceKind,
+    eval: &[SplitItem],
+) -> Result<(Vec<SplitItem>, tolerable_driver::resources::Value, f64)> {
+    use tolerable_driver::resources::{BuildCx, EvalSet, TrainCx};
+    let mut data = BTreeMap::new();
+    if let Some(p) = squad {
+        data.insert("squad_train".to_string(), p.to_path_buf());
+    }
+    let eval = EvalSet::of(eval);
+    let split = SplitOptions::default();
+    let deps = BTreeMap::new();
+    let cx = BuildCx {
+        train: TrainCx {
+            tokenizer: &ck.tokenizer,
+            split: &split,
+            data: &data,
+            eval: &eval,
+            field: format!("[resources.{name}]"),
+            receiver: ck.model.config(),
+        },
+        model: &ck.model,
+        senders: &BTreeMap::new(),
+        deps: &deps,
+        holders: &BTreeMap::new(),
+        scratch: &Default::default(),
+    };
+    let t = Instant::now();
+    let train = kind.training_items(&cx.train)?;
+    let value = kind.build(&cx, &train)?;
+    Ok((train, value, t.elapsed().as_secs_f64()))
+}
+
 /// SQuAD dev items for the figures (synthetic items where no SQuAD path is known).
 pub fn items(ck: &Checkpoint, n: usize, squad: Option<&std::path::Path>) -> Result<Vec<SplitItem>> {
     let raw = match tolerable_probe::squad::resolve_path(squad, tolerable_probe::squad::Split::Dev)
@@ -174,12 +225,8 @@ pub fn bank(
     contexts: usize,
     new_tokens: usize,
 ) -> Result<serde_json::Value> {
-    use tolerable_driver::resources::{BuildCx, EvalSet, KeyBankSpec, ResourceKind, TrainCx};
-    let data_source = if squad.is_some() || std::env::var_os("TOLERABLE_SQUAD_DIR").is_some() {
-        "squad_train"
-    } else {
-        "synthetic"
-    };
+    use tolerable_driver::resources::KeyBankSpec;
+    let data_source = training_source(squad);
     let text = format!(
         "[run]\nname = \"bench-bank\"\n[data]\nsource = \"synthetic\"\nn = 1\n\
          [resources.bank]\nkind = \"key_bank\"\nsize = {size}\ncontexts = {contexts}\ndata = \"{data_source}\"\n\
@@ -193,32 +240,7 @@ pub fn bank(
         tolerable_driver::resources::ResourceSpec::KeyBank(s) => s.clone(),
         _ => unreachable!("declared as a key bank above"),
     };
-    let mut data = BTreeMap::new();
-    if let Some(p) = squad {
-        data.insert("squad_train".to_string(), p.to_path_buf());
-    }
-    let eval = EvalSet::of(items);
-    let split = SplitOptions::default();
-    let deps = BTreeMap::new();
-    let cx = BuildCx {
-        train: TrainCx {
-            tokenizer: &ck.tokenizer,
-            split: &split,
-            data: &data,
-            eval: &eval,
-            field: "[resources.bank]".into(),
-            receiver: ck.model.config(),
-        },
-        model: &ck.model,
-        senders: &BTreeMap::new(),
-        deps: &deps,
-        holders: &BTreeMap::new(),
-        scratch: &Default::default(),
-    };
-    let t = Instant::now();
-    let train = spec.training_items(&cx.train)?;
-    let value = spec.build(&cx, &train)?;
-    let build_s = t.elapsed().as_secs_f64();
+    let (_, value, build_s) = build_fresh(ck, squad, "bank", &spec, items)?;
     let resources = BTreeMap::from([("bank".to_string(), value)]);
     eprintln!("  key bank of {size} keys from {contexts} passages built in {build_s:.1} s");
     let plan = arms_only(&cfg, ck)?;

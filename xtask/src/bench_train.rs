@@ -6,11 +6,9 @@
 //! scoring per epoch), never loaded from the cache.
 
 use anyhow::{bail, Result};
-use std::collections::BTreeMap;
 use std::time::Instant;
 use tolerable_driver::config::SweepConfig;
-use tolerable_driver::resources::{BuildCx, EvalSet, ResourceKind, ResourceSpec, TrainCx};
-use tolerable_probe::SplitOptions;
+use tolerable_driver::resources::{ResourceKind, ResourceSpec};
 use tolerable_runtime::{Checkpoint, HookSpec, LogitsAt};
 
 /// What to train.
@@ -31,11 +29,7 @@ pub fn run(
     squad: Option<&std::path::Path>,
     b: &TrainBench,
 ) -> Result<serde_json::Value> {
-    let data_source = if squad.is_some() || std::env::var_os("TOLERABLE_SQUAD_DIR").is_some() {
-        "squad_train"
-    } else {
-        "synthetic"
-    };
+    let data_source = crate::bench_arms::training_source(squad);
     let text = format!(
         "[run]\nname = \"bench-train\"\n[data]\nsource = \"synthetic\"\nn = 1\n\
          [resources.bridge]\nkind = \"bridge\"\ntargets = \"{}\"\nrank = 16\nalpha = 16.0\n\
@@ -50,29 +44,11 @@ pub fn run(
         _ => bail!("internal: the bench's bridge is not a bridge"),
     };
     spec.validate("[resources.bridge]", ck.model.config(), &cfg.resources)?;
-    let mut data = BTreeMap::new();
-    if let Some(p) = squad {
-        data.insert("squad_train".to_string(), p.to_path_buf());
-    }
-    let eval = EvalSet::of(&[]);
-    let split = SplitOptions::default();
-    let deps = BTreeMap::new();
-    let cx = BuildCx {
-        train: TrainCx {
-            tokenizer: &ck.tokenizer,
-            split: &split,
-            data: &data,
-            eval: &eval,
-            field: "[resources.bridge]".into(),
-            receiver: ck.model.config(),
-        },
-        model: &ck.model,
-        senders: &BTreeMap::new(),
-        deps: &deps,
-        holders: &BTreeMap::new(),
-        scratch: &Default::default(),
-    };
-    let train = spec.training_items(&cx.train)?;
+    eprintln!(
+        "  training a {}-LoRA: {} items + {} slice, {} epochs ({data_source})",
+        b.targets, b.items, b.slice, b.epochs
+    );
+    let (train, value, build_s) = crate::bench_arms::build_fresh(ck, squad, "bridge", &spec, &[])?;
     // The baseline: a full-passage prefill of the first training items.
     let m = &ck.model;
     let mut prefill = Vec::new();
@@ -88,13 +64,6 @@ pub fn run(
         prefill.push(t.elapsed().as_secs_f64());
     }
     let prefill_s = prefill.iter().sum::<f64>() / prefill.len().max(1) as f64;
-    eprintln!(
-        "  training a {}-LoRA: {} items + {} slice, {} epochs ({data_source})",
-        b.targets, b.items, b.slice, b.epochs
-    );
-    let t = Instant::now();
-    let value = spec.build(&cx, &train)?;
-    let build_s = t.elapsed().as_secs_f64();
     let summary = spec.summary(&value);
     eprintln!(
         "  built in {build_s:.1} s ({:.1} min; {:.0} passage prefills of {prefill_s:.2} s)",

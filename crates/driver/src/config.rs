@@ -372,17 +372,7 @@ fn expand_arm(i: usize, raw: toml::Value) -> Result<Vec<PlannedArm>> {
     if let Some(t @ toml::Value::Table(_)) = table.get("inject").cloned() {
         table.insert("inject".into(), toml::Value::Array(vec![t]));
     }
-    let grid: Vec<(String, Vec<toml::Value>)> = match table.remove("grid") {
-        None => Vec::new(),
-        Some(toml::Value::Table(g)) => g
-            .into_iter()
-            .map(|(k, v)| match v {
-                toml::Value::Array(vals) if !vals.is_empty() => Ok((k, vals)),
-                _ => Err(at(format!("`grid.{k}` must be a non-empty list of values"))),
-            })
-            .collect::<Result<_>>()?,
-        Some(_) => return Err(at("`grid` must be a table of lists".into())),
-    };
+    let grid = take_grid(&mut table, &at)?;
     // Grid keys on arm-level fields (the holder, the base, ...) set the arm;
     // every other key sets each injection.
     let arm_level = |k: &str| {
@@ -438,6 +428,25 @@ fn expand_arm(i: usize, raw: toml::Value) -> Result<Vec<PlannedArm>> {
     Ok(out)
 }
 
+/// Removes a table's `grid` and returns its keys with their values (none
+/// without a grid); `at` names the table in errors.
+fn take_grid(
+    table: &mut toml::Table,
+    at: &dyn Fn(String) -> DriverError,
+) -> Result<Vec<(String, Vec<toml::Value>)>> {
+    match table.remove("grid") {
+        None => Ok(Vec::new()),
+        Some(toml::Value::Table(g)) => g
+            .into_iter()
+            .map(|(k, v)| match v {
+                toml::Value::Array(vals) if !vals.is_empty() => Ok((k, vals)),
+                _ => Err(at(format!("`grid.{k}` must be a non-empty list of values"))),
+            })
+            .collect(),
+        Some(_) => Err(at("`grid` must be a table of lists".into())),
+    }
+}
+
 /// The cartesian product of a grid's values, first key slowest.
 fn grid_points(grid: &[(String, Vec<toml::Value>)]) -> Vec<Vec<(String, toml::Value)>> {
     let mut points: Vec<Vec<(String, toml::Value)>> = vec![Vec::new()];
@@ -472,17 +481,10 @@ fn expand_resource(name: &str, v: &toml::Value) -> Result<Vec<(String, toml::Val
         toml::Value::Table(t) => t.clone(),
         _ => return Err(at("not a table".into())),
     };
-    let grid: Vec<(String, Vec<toml::Value>)> = match table.remove("grid") {
-        None => return Ok(vec![(name.to_string(), v.clone())]),
-        Some(toml::Value::Table(g)) => g
-            .into_iter()
-            .map(|(k, v)| match v {
-                toml::Value::Array(vals) if !vals.is_empty() => Ok((k, vals)),
-                _ => Err(at(format!("`grid.{k}` must be a non-empty list of values"))),
-            })
-            .collect::<Result<_>>()?,
-        Some(_) => return Err(at("`grid` must be a table of lists".into())),
-    };
+    if !table.contains_key("grid") {
+        return Ok(vec![(name.to_string(), v.clone())]);
+    }
+    let grid = take_grid(&mut table, &at)?;
     let mut out = Vec::new();
     for p in grid_points(&grid) {
         let mut t = toml::Value::Table(table.clone());

@@ -36,3 +36,28 @@ pub use error::{DriverError, Result};
 pub use plan::{compile, Plan};
 pub use runner::{ArmOutcome, Batching, ItemTiming, Runner};
 pub use sweep::{SweepOptions, SweepOutcome};
+
+/// What the crate's unit tests share: a tiny random model written as a
+/// real GGUF file and loaded as a checkpoint.
+#[cfg(test)]
+pub(crate) mod test_support {
+    /// A tiny Qwen2-style checkpoint written into `dir`.
+    pub fn tiny_checkpoint(dir: &std::path::Path) -> tolerable_runtime::Checkpoint {
+        use tolerable_testkit::tiny::{write_gguf, TinySpec};
+        let path = dir.join("tiny.gguf");
+        write_gguf(
+            &TinySpec {
+                context_length: 1024,
+                ..TinySpec::default()
+            },
+            &path,
+        )
+        .unwrap();
+        tolerable_fetch::load(
+            path.to_str().unwrap(),
+            tolerable_runtime::Precision::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap()
+    }
+}

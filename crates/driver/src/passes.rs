@@ -330,26 +330,10 @@ pub fn item_passes_with(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tolerable_testkit::tiny::{write_gguf, TinySpec};
-
     #[test]
     fn a_partner_is_read_once_and_the_cache_stays_bounded() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny.gguf");
-        write_gguf(
-            &TinySpec {
-                context_length: 1024,
-                ..TinySpec::default()
-            },
-            &path,
-        )
-        .unwrap();
-        let ck = tolerable_fetch::load(
-            path.to_str().unwrap(),
-            tolerable_runtime::Precision::F32,
-            &candle_core::Device::Cpu,
-        )
-        .unwrap();
+        let ck = crate::test_support::tiny_checkpoint(dir.path());
         let items = tolerable_probe::sample::sample(
             &tolerable_probe::synthetic::generate(8, 1),
             &ck.tokenizer,

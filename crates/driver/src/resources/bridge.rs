@@ -1153,8 +1153,6 @@ impl ResourceKind for BridgeSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tolerable_testkit::tiny::{write_gguf, TinySpec};
-
     /// The router's training step scores exactly what the evaluation arm
     /// builds: the same item, the same pool and the same maps give the same
     /// first-token loss through `router_score` (training) and through the
@@ -1162,21 +1160,7 @@ mod tests {
     #[test]
     fn router_training_scores_what_the_routed_arm_evaluates() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny.gguf");
-        write_gguf(
-            &TinySpec {
-                context_length: 1024,
-                ..TinySpec::default()
-            },
-            &path,
-        )
-        .unwrap();
-        let ck = tolerable_fetch::load(
-            path.to_str().unwrap(),
-            tolerable_runtime::Precision::F32,
-            &Device::Cpu,
-        )
-        .unwrap();
+        let ck = crate::test_support::tiny_checkpoint(dir.path());
         let model = &ck.model;
         let inject = "{ carrier = \"h\", layers = 1, positions = \"fact_region\", source = { pool = { n = 3, router = \"trained\" } }, mechanism = \"add\", alpha = 2.0 }";
         let text = format!(
