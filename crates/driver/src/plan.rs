@@ -314,6 +314,30 @@ fn compile_arm(
                     matches!(&i.source, SourceSpec::Pool(p) if p.router == crate::arm::Router::Trained)
                 });
                 let router = spec.targets == crate::arm::BridgeTargets::Router;
+                if let Some(trained) = spec.routed_injection() {
+                    for (j, inj) in arm.inject.iter().enumerate() {
+                        if !matches!(&inj.source, SourceSpec::Pool(p) if p.router == crate::arm::Router::Trained)
+                        {
+                            continue;
+                        }
+                        let why = if inj.layers != trained.layers {
+                            Some(format!(
+                                "layers: `{}`, but the router `{}` was trained at `{}`",
+                                inj.layers, b.resource, trained.layers
+                            ))
+                        } else if inj.mechanism != Mechanism::Add || arm.base != Base::Masked {
+                            Some(format!(
+                                "the router `{}` was trained adding to the masked receiver (base = \"masked\", mechanism = \"add\")",
+                                b.resource
+                            ))
+                        } else {
+                            None
+                        };
+                        if let Some(why) = why {
+                            return Err(bad(arm, format!("{prefix}.inject[{j}]"), why));
+                        }
+                    }
+                }
                 if router != trained_pool {
                     return Err(bad(
                         arm,

@@ -1614,6 +1614,24 @@ fn a_trained_router_learns_its_pool_weights_and_starts_as_the_uniform_router() {
         ("arm = { inject = [{ carrier = \"h\", layers = 1,", "arm = { inject = [{ carrier = \"h\", layers = [0, 1],", "one layer"),
         // A router bridge whose arm routes uniformly.
         ("source = { pool = { n = 3, router = \"trained\" } }, mechanism = \"add\", alpha = 2.0 }] }", "source = { pool = { n = 3, router = \"uniform\" } }, mechanism = \"add\", alpha = 2.0 }] }", "trains the pool's router"),
+        // An evaluation arm at another layer than the router's.
+        (
+            "\ninject = { carrier = \"h\", layers = 1, positions = \"fact_region\", source = { pool = { n = 3, router = \"trained\" } }",
+            "\ninject = { carrier = \"h\", layers = 0, positions = \"fact_region\", source = { pool = { n = 3, router = \"trained\" } }",
+            "was trained at",
+        ),
+        // An evaluation arm that replaces where the router was trained adding.
+        (
+            "router = \"trained\" } }, mechanism = \"add\", alpha = 2.0 }\n",
+            "router = \"trained\" } }, mechanism = \"replace\" }\n",
+            "adding to the masked receiver",
+        ),
+        // A perturbed training injection.
+        (
+            "mechanism = \"add\", alpha = 2.0 }] }",
+            "mechanism = \"add\", alpha = 2.0, perturb = { kind = \"cosine_noise\", target_cosine = 0.99 } }] }",
+            "as they are",
+        ),
         // Adapters where the pool wants a router.
         ("targets = \"router\"", "targets = \"q\"", "targets"),
     ] {
@@ -1762,6 +1780,11 @@ fn a_sender_pool_appends_every_holder_and_its_bridge_trains_at_four() {
             "positions = \"passage\", source = { pool = { n = 1",
             "positions = \"fact_region\", source = { pool = { n = 1",
             "contiguous span",
+        ),
+        (
+            "positions = \"passage\", source = { pool = { n = 1",
+            "positions = \"all\", source = { pool = { n = 1",
+            "every member's passage",
         ),
     ] {
         assert!(text.contains(from), "{from}");

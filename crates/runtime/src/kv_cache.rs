@@ -205,7 +205,10 @@ impl KvCache {
         let have = old.k.dim(2)?;
         let n = k.dim(2)?;
         let fits = matches!(&self.spare[l], Some((kb, _)) if kb.dim(2)? >= have + n);
-        if !fits && n > SLACK {
+        // Writes into spare capacity are invisible to autograd: entries that
+        // carry a gradient (a bridge's training step) are always joined.
+        let grad = k.track_op() || v.track_op() || old.k.track_op() || old.v.track_op();
+        if grad || (!fits && n > SLACK) {
             // A long call (a passage read on top of a prefix) is not a
             // decoding step: the entries are joined exactly, with no spare.
             let kv = LayerKv {

@@ -682,7 +682,11 @@ impl Model {
             // One pass over the fused projection's output where nothing
             // reads or edits the gate: the same arithmetic as silu, then
             // the product (bit for bit), without the strided halves.
-            GateUp::Fused(w) if self.kernels == Kernels::Fused && !spec.touches(MlpPre(l)) => {
+            GateUp::Fused(w)
+                if self.kernels == Kernels::Fused
+                    && self.device.is_cpu()
+                    && !spec.touches(MlpPre(l)) =>
+            {
                 let y = self.proj(w, &h)?;
                 y.apply_op1_no_bwd(&SiluMul)?
             }

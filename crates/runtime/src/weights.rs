@@ -83,10 +83,11 @@ impl Proj {
     /// same product, whose backward pass forms the gradient of `x` only.
     /// (candle's matmul backward also forms the weight's gradient, a
     /// weight-sized product per projection and step that frozen weights
-    /// never use.) Quantized projections take the plain path.
+    /// never use.) Quantized projections (which pass no gradient at all:
+    /// bridges refuse them) and other devices take the plain path.
     pub fn forward_frozen(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Proj::Dense(w) if x.dtype() == DType::F32 => {
+            Proj::Dense(w) if x.dtype() == DType::F32 && x.device().is_cpu() => {
                 let dims = x.dims().to_vec();
                 let last = *dims.last().unwrap();
                 let rows: usize = dims[..dims.len() - 1].iter().product();

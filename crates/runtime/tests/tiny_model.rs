@@ -962,3 +962,69 @@ fn the_fused_mlp_activation_is_bit_identical_to_silu_times_up() {
     };
     assert_eq!(post(false), post(true));
 }
+
+#[test]
+fn gradients_pass_through_every_cache_growth() {
+    // A prefix read without gradient, a context whose residual carries one
+    // (a router's training step), then the question: the question's own keys
+    // and values must stay on the gradient's path whether or not the cache
+    // has spare capacity (a clone drops it).
+    let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
+    let diff = ck.model.clone().with_kernels(Kernels::Differentiable);
+    let ids = ck.tokenizer.encode(PROMPTS[0]).unwrap();
+    let (pre, ctx, q) = (&ids[..4], &ids[4..12], &ids[12..]);
+    let d = diff.config().d_model;
+    let grad_of = |clone_before_question: bool| {
+        let mut c = diff.new_cache(1);
+        diff.forward(
+            &diff.tokens(&[pre.to_vec()]).unwrap(),
+            &mut c,
+            &HookSpec::new(),
+            LogitsAt::None,
+        )
+        .unwrap();
+        let mut c = c.clone();
+        let src = candle_core::Var::from_tensor(
+            &Tensor::ones((1, ctx.len(), d), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        )
+        .unwrap();
+        let spec = HookSpec::new().intervene(
+            Intervention::new(HookPoint::ResidPre(1), Edit::Add(src.as_tensor().clone()))
+                .at_positions(vec![2, 3]),
+        );
+        diff.forward(
+            &diff.tokens(&[ctx.to_vec()]).unwrap(),
+            &mut c,
+            &spec,
+            LogitsAt::None,
+        )
+        .unwrap();
+        let mut c = if clone_before_question { c.clone() } else { c };
+        let out = diff
+            .forward(
+                &diff.tokens(&[q.to_vec()]).unwrap(),
+                &mut c,
+                &HookSpec::new(),
+                LogitsAt::Last,
+            )
+            .unwrap()
+            .logits
+            .unwrap();
+        let grads = out.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        grads
+            .get(src.as_tensor())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let (grown, cloned) = (grad_of(false), grad_of(true));
+    assert!(grown.iter().any(|&g| g != 0.0));
+    let worst = grown
+        .iter()
+        .zip(&cloned)
+        .map(|(a, b)| (a - b).abs() / (1e-6 + b.abs()))
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-3, "gradients differ by up to {worst} (relative)");
+}

@@ -154,6 +154,14 @@ impl BridgeSpec {
         }
     }
 
+    /// The injection a router bridge was trained under (`None` for adapters).
+    pub fn routed_injection(&self) -> Option<&Injection> {
+        match self.targets {
+            BridgeTargets::Router => self.router_pool().map(|(inj, _)| inj),
+            _ => None,
+        }
+    }
+
     /// The pool a router bridge routes: the training arm's one injection.
     fn router_pool(&self) -> Option<(&Injection, &PoolSpec)> {
         match self.arm.inject.as_slice() {
@@ -343,11 +351,14 @@ fn examples<E: Send + Sync + 'static>(
     let mut out = Vec::with_capacity(range.len());
     for i in range {
         let it = &set.items[i];
+        let partner_ids: Vec<&str> = set.partners[i]
+            .iter()
+            .map(|&j| set.items[j].item.id.as_str())
+            .collect();
         let key = format!(
-            "bridge example {} {arm_key} {i} {} {:?}",
+            "bridge example {} {arm_key} {i} {} {partner_ids:?}",
             std::any::type_name::<E>(),
             it.item.id,
-            set.partners[i]
         );
         let v = cx.scratch.get_or_make(&key, || {
             let pair = &set.pairs[i];
@@ -695,6 +706,14 @@ impl ResourceKind for BridgeSpec {
             if self.arm.base != Base::Masked {
                 return err("arm.base: a router is trained on the masked receiver".into());
             }
+            if inj.perturb.is_some()
+                || inj.blend.is_some()
+                || inj.map.is_some()
+                || inj.source_positions.is_some()
+                || inj.heads.is_some()
+            {
+                return err("arm.inject: a router is trained on the pool's states as they are (no perturb, blend, map, source_positions or heads)".into());
+            }
             let n = inj
                 .layers
                 .resolve(cfg.n_layers, &format!("{field} arm.inject.layers"))?
@@ -774,6 +793,11 @@ impl ResourceKind for BridgeSpec {
     fn build(&self, cx: &BuildCx, items: &[SplitItem]) -> Result<Value> {
         let field = cx.train.field.clone();
         let model = cx.model;
+        if model.precision() != tolerable_runtime::Precision::F32 {
+            return Err(DriverError::Config(format!(
+                "{field}: bridges train on the f32 path (quantized projections pass no gradient); run with precision = \"f32\""
+            )));
+        }
         let cfg = model.config().clone();
         let plan = self.compile(&field, &cfg)?;
         let n = self.train_items + self.slice_items;
