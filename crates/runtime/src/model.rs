@@ -885,10 +885,7 @@ impl candle_core::CustomOp1 for SiluMul {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let (a, b) = layout
-            .contiguous_offsets()
-            .ok_or_else(|| candle_core::Error::Msg("silu-mul: a strided input".into()))?;
-        let x = &storage.as_slice::<f32>()?[a..b];
+        let x = crate::weights::contiguous_f32(storage, layout, "silu-mul")?;
         let dims = layout.shape().dims();
         let two_f = *dims.last().unwrap_or(&0);
         if !two_f.is_multiple_of(2) {

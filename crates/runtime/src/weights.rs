@@ -114,6 +114,19 @@ impl Proj {
     }
 }
 
+/// The f32 entries of a contiguous input of a CPU custom op (`op` names it
+/// in the error for a strided one).
+pub(crate) fn contiguous_f32<'s>(
+    storage: &'s candle_core::CpuStorage,
+    layout: &candle_core::Layout,
+    op: &str,
+) -> candle_core::Result<&'s [f32]> {
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&storage.as_slice::<f32>()?[a..b]),
+        None => candle_core::bail!("{op}: a strided input"),
+    }
+}
+
 /// `x @ Wᵀ` (x `[rows, in]`, W `[out, in]`, f32) as one op whose backward
 /// pass returns `grad @ W` for x and nothing for W. The forward product is
 /// the one [`Proj::forward`] forms (the same arrangement for few rows).
@@ -131,12 +144,12 @@ impl candle_core::CustomOp1 for FrozenMatmul {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let data = storage.as_slice::<f32>()?;
         // The input is made contiguous before the op.
-        let x = match layout.contiguous_offsets() {
-            Some((a, b)) => Tensor::from_slice(&data[a..b], layout.shape(), &Device::Cpu)?,
-            None => candle_core::bail!("frozen-matmul: a strided input"),
-        };
+        let x = Tensor::from_slice(
+            contiguous_f32(storage, layout, "frozen-matmul")?,
+            layout.shape(),
+            &Device::Cpu,
+        )?;
         let rows = x.dim(0)?;
         let y = if (2..=SMALL_BATCH_ROWS).contains(&rows) {
             self.w.matmul(&x.t()?)?.t()?.contiguous()?
