@@ -10,6 +10,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+mod fused;
 pub mod gates;
 pub mod hooks;
 pub mod kv_cache;

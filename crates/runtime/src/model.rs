@@ -8,6 +8,7 @@
 
 use crate::config::{ModelConfig, RopeStyle};
 use crate::error::{Result, RuntimeError};
+use crate::fused::{CausalSoftmax, SiluMul};
 use crate::hooks::{Adapter, HookCache, HookPoint, HookSpec, Projection};
 use crate::kv_cache::{KvCache, LayerKv};
 use crate::weights::{Precision, Proj, Source};
@@ -466,7 +467,9 @@ impl Model {
     ) -> Result<Tensor> {
         let s = x.dim(1)?;
         let pos0 = cache.next_position();
-        let mask = if s > 1 {
+        // The materialised mask only where a layer takes the written-out
+        // attention (the fused softmax masks from the shape).
+        let mask = if s > 1 && (start..self.cfg.n_layers).any(|l| !self.fused_softmax(l, spec)) {
             Some(causal_mask(s, cache.len(), &self.device)?)
         } else {
             None
@@ -502,6 +505,15 @@ impl Model {
             (Kernels::Differentiable, RopeStyle::Half) => re::rope_slow(x, cos, sin)?,
             (Kernels::Differentiable, RopeStyle::Interleaved) => re::rope_i_slow(x, cos, sin)?,
         })
+    }
+
+    /// Whether layer `l` takes the attention pattern from the one-pass CPU
+    /// op (scale, causal mask, softmax): fused kernels on the CPU, and no hook
+    /// reads or edits the scores between those steps.
+    fn fused_softmax(&self, l: usize, spec: &HookSpec) -> bool {
+        self.kernels == Kernels::Fused
+            && self.device.is_cpu()
+            && !spec.touches(HookPoint::AttnScores(l))
     }
 
     fn softmax(&self, x: &Tensor) -> Result<Tensor> {
@@ -655,16 +667,29 @@ impl Model {
         // Grouped-query attention without repeating k/v: the G query heads of
         // one kv head are stacked along the query axis.
         let qg = q.reshape((b, nkv, g * s, hd))?;
-        let mut scores = (qg.matmul(&kv.k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-        if let Some(mask) = mask {
-            scores = scores.reshape((b, nkv, g, s, t))?.broadcast_add(mask)?;
-        }
-        if spec.touches(AttnScores(l)) {
-            let sc = scores.reshape((b, nh, s, t))?;
-            scores = self.hook(spec, AttnScores(l), sc, hc)?;
-        }
-        let scores = scores.reshape((b, nkv, g * s, t))?;
-        let mut p = self.softmax(&scores)?;
+        let raw = qg.matmul(&kv.k.t()?)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut p = if self.fused_softmax(l, spec) {
+            raw.apply_op1_no_bwd(&CausalSoftmax {
+                scale: scale as f32,
+                s,
+            })?
+        } else {
+            let mut scores = (raw * scale)?;
+            if s > 1 {
+                let mask = mask.ok_or_else(|| RuntimeError::BadIntervention {
+                    site: format!("blocks.{l}.attn"),
+                    reason: "the causal mask is missing".into(),
+                })?;
+                scores = scores.reshape((b, nkv, g, s, t))?.broadcast_add(mask)?;
+            }
+            if spec.touches(AttnScores(l)) {
+                let sc = scores.reshape((b, nh, s, t))?;
+                scores = self.hook(spec, AttnScores(l), sc, hc)?;
+            }
+            let scores = scores.reshape((b, nkv, g * s, t))?;
+            self.softmax(&scores)?
+        };
         if spec.touches(Pattern(l)) {
             let pp = p.reshape((b, nh, s, t))?;
             p = self
@@ -868,39 +893,4 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
         .reshape((n, 1))?;
     let ang = pos.matmul(&inv)?;
     Ok((ang.cos()?, ang.sin()?))
-}
-
-/// `silu(gate) * up` over a fused gate/up projection's output `[.., 2f]`
-/// (gate first): `g / (1 + exp(-g)) * u` per element, candle's silu and
-/// product in one pass.
-struct SiluMul;
-
-impl candle_core::CustomOp1 for SiluMul {
-    fn name(&self) -> &'static str {
-        "silu-mul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let x = crate::weights::contiguous_f32(storage, layout, "silu-mul")?;
-        let dims = layout.shape().dims();
-        let two_f = *dims.last().unwrap_or(&0);
-        if !two_f.is_multiple_of(2) {
-            candle_core::bail!("silu-mul: an odd last axis {two_f}");
-        }
-        let f = two_f / 2;
-        let mut out = Vec::with_capacity(x.len() / 2);
-        for row in x.chunks_exact(two_f) {
-            let (g, u) = row.split_at(f);
-            out.extend(g.iter().zip(u).map(|(&g, &u)| (g / (1.0 + (-g).exp())) * u));
-        }
-        let mut shape = dims.to_vec();
-        if let Some(last) = shape.last_mut() {
-            *last = f;
-        }
-        Ok((candle_core::CpuStorage::F32(out), shape.into()))
-    }
 }

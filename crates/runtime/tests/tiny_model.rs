@@ -964,6 +964,70 @@ fn the_fused_mlp_activation_is_bit_identical_to_silu_times_up() {
 }
 
 #[test]
+fn the_one_pass_causal_softmax_is_bit_identical_to_scale_mask_softmax() {
+    // Capturing the scores at every layer takes the written-out path (scale,
+    // materialised mask, softmax) everywhere; without hooks every layer takes
+    // the one-pass op. Both a power-of-two scale (head_dim 16) and another
+    // (head_dim 18); a prefill from empty, one over a cached prefix, a batch
+    // of two, and decoding (one new position).
+    for spec in [
+        TinySpec::default(),
+        TinySpec {
+            d_model: 72,
+            arch: Arch::Llama,
+            ..TinySpec::default()
+        },
+    ] {
+        let (_d, ck) = tiny(&spec, Precision::F32);
+        let m = &ck.model;
+        let n = m.config().n_layers;
+        let written = HookSpec::new().capture_all((0..n).map(HookPoint::AttnScores));
+        let ids = ck.tokenizer.encode(PROMPTS[0]).unwrap();
+        let other = ck.tokenizer.encode(PROMPTS[1]).unwrap();
+        let len = ids.len().min(other.len());
+        let run = |hooks: &HookSpec| {
+            let mut out = Vec::new();
+            let mut cache = m.new_cache(2);
+            let mut pattern = |spec: HookSpec, ids: &[Vec<u32>], cache: &mut KvCache| {
+                let spec = spec.capture(HookPoint::Pattern(1));
+                let o = m
+                    .forward(&m.tokens(ids).unwrap(), cache, &spec, LogitsAt::All)
+                    .unwrap();
+                let mut v = o
+                    .logits
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                v.extend(
+                    o.hooks
+                        .require(HookPoint::Pattern(1))
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap(),
+                );
+                v
+            };
+            let split = len / 2;
+            let rows = |a: usize, b: usize| vec![ids[a..b].to_vec(), other[a..b].to_vec()];
+            out.push(pattern(hooks.clone(), &rows(0, split), &mut cache));
+            out.push(pattern(hooks.clone(), &rows(split, len - 1), &mut cache));
+            out.push(pattern(hooks.clone(), &rows(len - 1, len), &mut cache));
+            out
+        };
+        let (fused, unfused) = (run(&HookSpec::new()), run(&written));
+        for (step, (a, b)) in fused.iter().zip(&unfused).enumerate() {
+            assert_eq!(a.len(), b.len());
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{:?}: step {step} differs", spec.arch);
+        }
+    }
+}
+
+#[test]
 fn gradients_pass_through_every_cache_growth() {
     // A prefix read without gradient, a context whose residual carries one
     // (a router's training step), then the question: the question's own keys
