@@ -244,18 +244,38 @@ fn sample_items(
     cfg: &SweepConfig,
     tokenizer: &Tokenizer,
     split: &SplitOptions,
-) -> Result<(tolerable_probe::sample::Sample, String)> {
+    n_partners: usize,
+) -> Result<(tolerable_probe::sample::Sample, String, ItemSet)> {
     let (items, source) = crate::items::load_items(&cfg.data, None, cfg.run.seed)?;
-    let sample =
-        tolerable_probe::sample::sample(&items, tokenizer, split, cfg.data.n, cfg.run.seed)?;
+    let seed = cfg.run.seed;
+    let mut last = None;
+    let mut draw = |k: usize| -> Result<Vec<SplitItem>> {
+        let s = tolerable_probe::sample::sample(&items, tokenizer, split, k, seed)?;
+        let items = s.items.clone();
+        last = Some(s);
+        Ok(items)
+    };
+    let (set, short) = crate::items::with_partners(&mut draw, cfg.data.n, n_partners, seed)?;
+    let mut sample =
+        last.ok_or_else(|| DriverError::Records("internal: no sample drawn".into()))?;
+    sample.items = set.items.clone();
+    if !short.is_empty() {
+        sample
+            .dropped
+            .insert(crate::items::TOO_FEW_PARTNERS.into(), short.len());
+        tracing::warn!(
+            "{} item(s) dropped for too few mis-source partners ({n_partners} wanted): {}",
+            short.len(),
+            short.join(", ")
+        );
+    }
     tracing::info!(
-        "{} items from {source} (seed {}, {} considered, dropped {:?})",
+        "{} items from {source} (seed {seed}, {} considered, dropped {:?})",
         sample.items.len(),
-        cfg.run.seed,
         sample.considered,
         sample.dropped
     );
-    Ok((sample, source))
+    Ok((sample, source, set))
 }
 
 /// A resource of the plan after building or loading it.
@@ -418,7 +438,7 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
     let (mcfg, tokenizer, path) = header(&cfg.run.model)?;
     let plan = compile(&cfg, &mcfg, &cfg.run.model, &model_config_of)?;
     let split = split_options(&cfg, mcfg.context_length);
-    let (sample, source) = sample_items(&cfg, &tokenizer, &split)?;
+    let (sample, source, _) = sample_items(&cfg, &tokenizer, &split, plan.needs.partners)?;
     let mut out = format!(
         "sweep `{}` (config hash {}), receiver {} ({} layers, width {}, {} kv heads x {}), {}\n{} items from {source}\n",
         cfg.run.name,
@@ -656,8 +676,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         )));
     }
     let split = split_options(&cfg, ctx);
-    let (sample, source) = sample_items(&cfg, &ck.tokenizer, &split)?;
-    let set = ItemSet::new(sample.items.clone(), plan.needs.partners, cfg.run.seed)?;
+    let (sample, source, set) = sample_items(&cfg, &ck.tokenizer, &split, plan.needs.partners)?;
     // Gates first: no record is written if one fails.
     let t_gates = Instant::now();
     let gates = crate::gates::run_all(&ck, false)?;

@@ -778,16 +778,31 @@ impl ResourceKind for BridgeSpec {
 
     fn training_items(&self, cx: &TrainCx) -> Result<Vec<SplitItem>> {
         let n = self.train_items + self.slice_items;
-        if self.answer_disjoint {
-            let eval = &cx.eval.answers;
-            super::sample_training_where(cx, self.data, n, self.seed, &|it| {
-                !it.answers
-                    .iter()
-                    .any(|a| eval.contains(&tolerable_probe::score::normalize(a)))
-            })
-        } else {
-            sample_training(cx, self.data, n, self.seed)
+        let eval = &cx.eval.answers;
+        let mut draw = |k: usize| {
+            if self.answer_disjoint {
+                super::sample_training_where(cx, self.data, k, self.seed, &|it| {
+                    !it.answers
+                        .iter()
+                        .any(|a| eval.contains(&tolerable_probe::score::normalize(a)))
+                })
+            } else {
+                sample_training(cx, self.data, k, self.seed)
+            }
+        };
+        // A pool's distractors are other training items: those that cannot
+        // get enough are replaced by the next drawn (as in an evaluation run).
+        let n_partners = self.compile(&cx.field, cx.receiver)?.needs.partners;
+        let (set, short) = crate::items::with_partners(&mut draw, n, n_partners, self.seed)
+            .map_err(|e| DriverError::Config(format!("{}: {e}", cx.field)))?;
+        if !short.is_empty() {
+            tracing::warn!(
+                "{}: {} training item(s) replaced for too few distractor partners ({n_partners} wanted)",
+                cx.field,
+                short.len()
+            );
         }
+        Ok(set.items)
     }
 
     fn build(&self, cx: &BuildCx, items: &[SplitItem]) -> Result<Value> {
