@@ -72,7 +72,7 @@ impl CustomOp1 for CausalSoftmax {
         let dims = layout.shape().dims();
         let t = *dims.last().unwrap_or(&0);
         let s = self.s;
-        if t == 0 || s == 0 || s > t || (x.len() / t) % s != 0 {
+        if t == 0 || s == 0 || s > t || !(x.len() / t).is_multiple_of(s) {
             candle_core::bail!("causal-softmax: {s} new positions do not fit scores {dims:?}");
         }
         let past = t - s;

@@ -988,7 +988,7 @@ fn the_one_pass_causal_softmax_is_bit_identical_to_scale_mask_softmax() {
         let run = |hooks: &HookSpec| {
             let mut out = Vec::new();
             let mut cache = m.new_cache(2);
-            let mut pattern = |spec: HookSpec, ids: &[Vec<u32>], cache: &mut KvCache| {
+            let pattern = |spec: HookSpec, ids: &[Vec<u32>], cache: &mut KvCache| {
                 let spec = spec.capture(HookPoint::Pattern(1));
                 let o = m
                     .forward(&m.tokens(ids).unwrap(), cache, &spec, LogitsAt::All)
