@@ -258,6 +258,7 @@ pub fn run(a: AnchorArgs) -> Result<()> {
         "native_minus_floor": d,
         "floor_conditional_on_native_correct": cond,
         "threads": candle_core::utils::get_num_threads(),
+        "machine": tolerable_runtime::machine(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
     });
     println!("{}", serde_json::to_string_pretty(&summary)?);

@@ -183,8 +183,7 @@ pub fn run(o: BenchOptions) -> Result<()> {
     };
     if let Some((key, figure)) = section {
         let ck = tolerable_fetch::load(model, Precision::F32, &candle_core::Device::Cpu)?;
-        let mut figures =
-            serde_json::json!({ "model": model, "threads": candle_core::utils::get_num_threads() });
+        let mut figures = serde_json::json!({ "model": model, "threads": candle_core::utils::get_num_threads(), "machine": tolerable_runtime::machine() });
         figures[key] = figure(&ck)?;
         figures["peak_rss_mib"] = peak_rss_mib().into();
         println!(
@@ -255,6 +254,7 @@ pub fn run(o: BenchOptions) -> Result<()> {
         "prefill_tok_per_s_ours_f32": n as f64 / ours_f32,
         "decode_tok_per_s": { "f32_batch1": dec1, "f32_batch16": dec16, "candle_f32_batch1": cand_dec1 },
         "backend": tolerable_runtime::MATMUL_BACKEND,
+        "machine": tolerable_runtime::machine(),
         "hooks_off_vs_candle": ours_f32 / cand_f32,
         "prefill_vs_candle": ours_f32 / cand_f32,
         "decode_b1_vs_candle": cand_dec1 / dec1,

@@ -760,6 +760,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         "gates_passed": true,
         "threads": candle_core::utils::get_num_threads(),
         "matmul_backend": tolerable_runtime::MATMUL_BACKEND,
+        "machine": tolerable_runtime::machine(),
         "unix_time": std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -806,6 +807,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         "cells": n_cells,
         "gates": gates,
         "threads": candle_core::utils::get_num_threads(),
+        "machine": tolerable_runtime::machine(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "invocations": invocations,
     });

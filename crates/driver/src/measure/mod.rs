@@ -476,6 +476,7 @@ pub(crate) fn run_meta(
         "gates": gates,
         "threads": candle_core::utils::get_num_threads(),
         "matmul_backend": tolerable_runtime::MATMUL_BACKEND,
+        "machine": tolerable_runtime::machine(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "invocations": invocations,
     })
@@ -509,6 +510,7 @@ pub fn invocation(extra: serde_json::Value) -> serde_json::Value {
         "build_revision": build_revision(),
         "gates_passed": true,
         "threads": candle_core::utils::get_num_threads(),
+        "machine": tolerable_runtime::machine(),
         "unix_time": std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
