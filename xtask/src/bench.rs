@@ -134,6 +134,57 @@ pub struct BenchOptions {
     /// Its epochs.
     #[arg(long, default_value_t = 4)]
     pub train_epochs: usize,
+    /// Only the matmul figures: the f32 projection products of the model's
+    /// forward (fused qkv, o, fused gate/up, down, LM head) at a prefill's,
+    /// a decoding batch's and one row's sizes, in GFLOP/s, through the same
+    /// code path as the forward (for choosing a matmul backend on a machine).
+    #[arg(long)]
+    pub matmul_only: bool,
+}
+
+/// GFLOP/s of the forward's projections at the model's shapes (random f32
+/// weights and activations; the product as [`Proj::forward`] forms it).
+///
+/// [`Proj::forward`]: tolerable_runtime::Proj::forward
+fn matmul_figures(ck: &Checkpoint, prompt_tokens: usize, reps: usize) -> Result<serde_json::Value> {
+    let c = ck.model.config();
+    let dev = candle_core::Device::Cpu;
+    let qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim;
+    let shapes: [(&str, usize, usize); 5] = [
+        ("qkv", c.d_model, qkv),
+        ("o", c.n_heads * c.head_dim, c.d_model),
+        ("gate_up", c.d_model, 2 * c.d_ffn),
+        ("down", c.d_ffn, c.d_model),
+        ("lm_head", c.d_model, c.vocab_size),
+    ];
+    let mut out = Vec::new();
+    for (name, k, n) in shapes {
+        let w =
+            tolerable_runtime::Proj::Dense(candle_core::Tensor::randn(0f32, 1.0, (n, k), &dev)?);
+        for rows in [prompt_tokens, 16, 1] {
+            if name == "lm_head" && rows != 1 {
+                continue; // the forward takes the LM head at the last position only
+            }
+            let x = candle_core::Tensor::randn(0f32, 1.0, (rows, k), &dev)?;
+            let t = interleaved(
+                reps,
+                &mut [&mut || {
+                    w.forward(&x)?;
+                    Ok(())
+                }],
+            )?[0];
+            let gflops = 2.0 * (rows * k * n) as f64 / t / 1e9;
+            eprintln!(
+                "  {name} {rows}x{k}->{n}: {:.2} ms, {gflops:.1} GFLOP/s",
+                t * 1e3
+            );
+            out.push(serde_json::json!({
+                "product": name, "rows": rows, "in": k, "out": n,
+                "seconds": t, "gflop_per_s": gflops,
+            }));
+        }
+    }
+    Ok(serde_json::json!({ "backend": tolerable_runtime::MATMUL_BACKEND, "products": out }))
 }
 
 /// The driver's figures: the 20-arm grid and, unless skipped, the key bank's.
@@ -163,7 +214,11 @@ pub fn run(o: BenchOptions) -> Result<()> {
         o.skip_quantized,
     );
     // The driver-only figures: one section beside the model and threads.
-    let section: Option<(&str, &Figure)> = if o.train_only {
+    let section: Option<(&str, &Figure)> = if o.matmul_only {
+        Some(("matmul", &|ck: &Checkpoint| {
+            matmul_figures(ck, o.prompt_tokens, o.reps.max(5))
+        }))
+    } else if o.train_only {
         Some(("bridge", &|ck: &Checkpoint| {
             crate::bench_train::run(
                 ck,
