@@ -133,6 +133,26 @@ pub(crate) fn write_json_atomic(path: &Path, v: &serde_json::Value) -> Result<()
     Ok(())
 }
 
+/// Adds `fields` to this invocation's record in run.json (the last of its
+/// `invocations`): how long it has taken so far, rewritten after every
+/// cell, so a run cut short still says what its cells cost.
+fn record_time(dir: &Path, fields: serde_json::Value) -> Result<()> {
+    let path = dir.join("run.json");
+    let text = std::fs::read_to_string(&path).map_err(io(format!("reading {}", path.display())))?;
+    let mut meta: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| DriverError::Records(format!("{}: {e}", path.display())))?;
+    if let (Some(last), serde_json::Value::Object(f)) = (
+        meta["invocations"]
+            .as_array_mut()
+            .and_then(|a| a.last_mut())
+            .and_then(|v| v.as_object_mut()),
+        fields,
+    ) {
+        last.extend(f);
+    }
+    write_json_atomic(&path, &meta)
+}
+
 /// Loads the config and applies the command line's overrides.
 pub fn load_config(config: &Path, opts: &SweepOptions) -> Result<SweepConfig> {
     let mut cfg = SweepConfig::from_file(config)?;
@@ -886,8 +906,9 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     .with_senders(&senders)
     .with_cross_holders(&ck.tokenizer, &holders);
     let t_run = Instant::now();
+    let setup_seconds = t_load.elapsed().as_secs_f64();
     let mut done = 0usize;
-    for &c in &todo {
+    for (k, &c) in todo.iter().enumerate() {
         bar.set_message(format!("cell {c}"));
         let lo = c * cfg.run.cell_items;
         let hi = (lo + cfg.run.cell_items).min(set.items.len());
@@ -907,6 +928,15 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             done += 1;
         }
         records::write_rows(rows, &cell_path(&dir, c))?;
+        record_time(
+            &dir,
+            serde_json::json!({
+                "setup_seconds": setup_seconds,
+                "cells_computed": k + 1,
+                "items_computed": done,
+                "cell_seconds": t_run.elapsed().as_secs_f64(),
+            }),
+        )?;
         if headless {
             let rate = done as f64 / t_run.elapsed().as_secs_f64().max(1e-9);
             tracing::info!(

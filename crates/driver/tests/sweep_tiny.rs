@@ -145,6 +145,13 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     assert_eq!(meta["gates"]["passed"], true);
     assert_eq!(meta["data"]["item_ids"].as_array().unwrap().len(), 5);
     assert!(meta["config_hash"].as_str().unwrap().len() == 16);
+    // The invocation says what its cells cost and on what machine.
+    let inv = meta["invocations"].as_array().unwrap().last().unwrap();
+    assert_eq!(inv["cells_computed"], 3);
+    assert_eq!(inv["items_computed"], 5);
+    assert!(inv["cell_seconds"].as_f64().unwrap() > 0.0);
+    assert!(inv["setup_seconds"].as_f64().unwrap() >= 0.0);
+    assert!(inv["machine"]["threads"].as_u64().unwrap() >= 1);
 
     let cells = tolerable_driver::records::cell_files(&out).unwrap();
     assert_eq!(cells.len(), 3);
