@@ -216,7 +216,7 @@ pub fn run(o: BenchOptions) -> Result<()> {
     // The driver-only figures: one section beside the model and threads.
     let section: Option<(&str, &Figure)> = if o.matmul_only {
         Some(("matmul", &|ck: &Checkpoint| {
-            matmul_figures(ck, o.prompt_tokens, o.reps.max(5))
+            matmul_figures(ck, o.prompt_tokens, o.reps)
         }))
     } else if o.train_only {
         Some(("bridge", &|ck: &Checkpoint| {

@@ -133,14 +133,10 @@ pub(crate) fn write_json_atomic(path: &Path, v: &serde_json::Value) -> Result<()
     Ok(())
 }
 
-/// Adds `fields` to this invocation's record in run.json (the last of its
-/// `invocations`): how long it has taken so far, rewritten after every
-/// cell, so a run cut short still says what its cells cost.
-fn record_time(dir: &Path, fields: serde_json::Value) -> Result<()> {
-    let path = dir.join("run.json");
-    let text = std::fs::read_to_string(&path).map_err(io(format!("reading {}", path.display())))?;
-    let mut meta: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| DriverError::Records(format!("{}: {e}", path.display())))?;
+/// Adds `fields` to this invocation's record (the last of `meta`'s
+/// `invocations`) and rewrites run.json: how long it has taken so far,
+/// after every cell, so a run cut short still says what its cells cost.
+fn record_time(meta: &mut serde_json::Value, dir: &Path, fields: serde_json::Value) -> Result<()> {
     if let (Some(last), serde_json::Value::Object(f)) = (
         meta["invocations"]
             .as_array_mut()
@@ -150,7 +146,7 @@ fn record_time(dir: &Path, fields: serde_json::Value) -> Result<()> {
     ) {
         last.extend(f);
     }
-    write_json_atomic(&path, &meta)
+    write_json_atomic(&dir.join("run.json"), meta)
 }
 
 /// Loads the config and applies the command line's overrides.
@@ -772,22 +768,11 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         .and_then(|v| v["invocations"].as_array().cloned())
         .unwrap_or_default();
-    invocations.push(serde_json::json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "git_revision": revision,
-        "build_revision": env!("TOLERABLE_BUILD_REVISION"),
+    invocations.push(crate::measure::invocation(serde_json::json!({
         "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")),
-        "gates_passed": true,
-        "threads": candle_core::utils::get_num_threads(),
-        "matmul_backend": tolerable_runtime::MATMUL_BACKEND,
-        "machine": tolerable_runtime::machine(),
-        "unix_time": std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-    }));
+    })));
     let resources_meta = resources_meta(&plan.resources, &resources, &obtained);
-    let meta = serde_json::json!({
+    let mut meta = serde_json::json!({
         "name": cfg.run.name,
         "config_hash": hash,
         "config_file": config_path.display().to_string(),
@@ -801,7 +786,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             "config": ck.model.config(),
         },
         "git_revision": revision,
-        "build_revision": env!("TOLERABLE_BUILD_REVISION"),
+        "build_revision": crate::measure::build_revision(),
         "seeds": { "sample": cfg.run.seed, "pairing": cfg.run.seed, "perturbation": cfg.run.seed },
         "data": {
             "source": cfg.data.source.name(),
@@ -929,6 +914,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         }
         records::write_rows(rows, &cell_path(&dir, c))?;
         record_time(
+            &mut meta,
             &dir,
             serde_json::json!({
                 "setup_seconds": setup_seconds,

@@ -502,7 +502,8 @@ pub fn build_revision() -> &'static str {
     option_env!("TOLERABLE_BUILD_REVISION").unwrap_or("unknown")
 }
 
-/// The record of this invocation for `run.json`'s `invocations`.
+/// The record of this invocation for `run.json`'s `invocations` (sweeps'
+/// and measurement runs' alike; `extra` adds fields, a sweep's shard).
 pub fn invocation(extra: serde_json::Value) -> serde_json::Value {
     let mut v = serde_json::json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
@@ -510,6 +511,7 @@ pub fn invocation(extra: serde_json::Value) -> serde_json::Value {
         "build_revision": build_revision(),
         "gates_passed": true,
         "threads": candle_core::utils::get_num_threads(),
+        "matmul_backend": tolerable_runtime::MATMUL_BACKEND,
         "machine": tolerable_runtime::machine(),
         "unix_time": std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
