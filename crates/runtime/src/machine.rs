@@ -1,8 +1,8 @@
 //! The machine a run computes on: its CPU, the SIMD instructions candle's
 //! kernels can use there, and the threads. Recorded beside every run and
 //! bench figure, since the same build runs at very different speeds on
-//! different machines (an AVX-512 Intel part and an AVX2-only AMD part of
-//! the same two cores differ about threefold in f32 matmul throughput).
+//! different machines (the shared speed notes' AVX-512 part and an AVX2-only
+//! AMD EPYC, two cores each, differ two- to sixfold in f32 matmul GFLOP/s).
 
 /// What a run's numbers were computed on.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
