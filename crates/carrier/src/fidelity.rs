@@ -207,7 +207,9 @@ pub fn vector_cosine(a: &[f32], b: &[f32]) -> f64 {
 
 /// Cosine of `a` to `b` flattened over the `sites` along `axis` (as
 /// cosine-calibrated noise calibrates it): one cosine of the whole selected
-/// block, not a mean over vectors. No sites: 1.
+/// block, not a mean over vectors. No sites: 1. A zero block against a
+/// non-zero one (destroyed sites) has cosine 0, two zero blocks 1, as in
+/// [`mean_vector_cosine`].
 pub fn site_cosine(a: &Tensor, b: &Tensor, axis: usize, sites: &[usize]) -> Result<f64> {
     if sites.is_empty() {
         return Ok(1.0);
@@ -230,7 +232,13 @@ pub fn site_cosine(a: &Tensor, b: &Tensor, axis: usize, sites: &[usize]) -> Resu
     let dot = (&a * &b)?.sum(D::Minus1)?.to_scalar::<f64>()?;
     let na = a.sqr()?.sum(D::Minus1)?.to_scalar::<f64>()?.sqrt();
     let nb = b.sqr()?.sum(D::Minus1)?.to_scalar::<f64>()?.sqrt();
-    Ok(if na * nb > 0.0 { dot / (na * nb) } else { 1.0 })
+    Ok(if na * nb > 0.0 {
+        dot / (na * nb)
+    } else if na == nb {
+        1.0
+    } else {
+        0.0
+    })
 }
 
 /// Fidelity of a cache's carrier to the native cache: the mean per-vector
@@ -300,6 +308,12 @@ mod tests {
             site_cosine(&view, &copy, 2, &[0, 1]).unwrap(),
             site_cosine(&copy, &copy, 2, &[0, 1]).unwrap()
         );
+        // Destroyed (zeroed) sites keep nothing of the original: cosine 0;
+        // two zero blocks are the same block: 1.
+        let zero = a.zeros_like().unwrap();
+        assert_eq!(site_cosine(&zero, &a, 2, &[0, 1]).unwrap(), 0.0);
+        assert_eq!(site_cosine(&a, &zero, 2, &[1]).unwrap(), 0.0);
+        assert_eq!(site_cosine(&zero, &zero, 2, &[0]).unwrap(), 1.0);
     }
 
     /// `[shape]` tensor of f32 values from a deterministic pattern.
