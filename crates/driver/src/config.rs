@@ -39,6 +39,12 @@ pub struct RunSection {
     /// Items per cell: the unit written atomically and resumed.
     #[serde(default = "default_cell_items")]
     pub cell_items: usize,
+    /// Single-row products (batch-1 decoding, one position's logits) by the
+    /// one-row kernel instead of candle's gemm: faster, with its own float
+    /// rounding, so off by default; when on it is part of the config's hash
+    /// and run.json's `matmul_backend` says so.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub row_kernel: bool,
 }
 
 fn default_model() -> String {
@@ -130,6 +136,21 @@ fn cfg_err(msg: impl Into<String>) -> DriverError {
     DriverError::Config(msg.into())
 }
 
+/// A TOML table read as `T`; an error names the table and the field in it
+/// that is wrong (`[run] row_kernel: invalid type: ...`).
+fn table_of<T: serde::de::DeserializeOwned>(v: toml::Value, table: &str) -> Result<T> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let msg = inner.message().to_string();
+        if path.is_empty() || path == "." {
+            cfg_err(format!("{table}: {msg}"))
+        } else {
+            cfg_err(format!("{table} {path}: {msg}"))
+        }
+    })
+}
+
 impl SweepConfig {
     /// Reads and expands a config file.
     pub fn from_file(path: &std::path::Path) -> Result<Self> {
@@ -157,21 +178,15 @@ impl SweepConfig {
                 .cloned()
                 .ok_or_else(|| cfg_err(format!("missing `[{k}]` table")))
         };
-        let run: RunSection = get("run")?
-            .try_into()
-            .map_err(|e: toml::de::Error| cfg_err(format!("[run]: {}", e.message())))?;
-        let data: DataSection = get("data")?
-            .try_into()
-            .map_err(|e: toml::de::Error| cfg_err(format!("[data]: {}", e.message())))?;
+        let run: RunSection = table_of(get("run")?, "[run]")?;
+        let data: DataSection = table_of(get("data")?, "[data]")?;
         let mut resources = BTreeMap::new();
         match table.get("resources") {
             None => {}
             Some(toml::Value::Table(t)) => {
                 for (name, v) in t {
                     for (name, v) in expand_resource(name, v)? {
-                        let spec: ResourceSpec = v.try_into().map_err(|e: toml::de::Error| {
-                            cfg_err(format!("[resources.{name}]: {}", e.message()))
-                        })?;
+                        let spec: ResourceSpec = table_of(v, &format!("[resources.{name}]"))?;
                         resources.insert(name, spec);
                     }
                 }

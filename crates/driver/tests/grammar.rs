@@ -562,3 +562,39 @@ fn fitted_maps_that_cannot_be_fitted_or_applied_fail_before_any_work() {
         "{e}"
     );
 }
+
+#[test]
+fn the_one_row_kernel_is_in_the_hash_only_when_on() {
+    let base = r#"
+[run]
+name = "k"
+
+[data]
+source = "synthetic"
+n = 2
+
+[[arms]]
+name = "native"
+base = "full"
+"#;
+    let with = |line: &str| base.replace("name = \"k\"", &format!("name = \"k\"\n{line}"));
+    let off = SweepConfig::parse(base).unwrap();
+    let explicit_off = SweepConfig::parse(&with("row_kernel = false")).unwrap();
+    let on = SweepConfig::parse(&with("row_kernel = true")).unwrap();
+    assert!(!off.run.row_kernel && on.run.row_kernel);
+    // Configs written before the option hash as they did: resumable.
+    assert_eq!(off.hash(), explicit_off.hash());
+    assert!(!serde_json::to_string(&off.run)
+        .unwrap()
+        .contains("row_kernel"));
+    assert_ne!(off.hash(), on.hash());
+    let e = SweepConfig::parse(&with("row_kernel = \"yes\""))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[run] row_kernel: invalid type"), "{e}");
+    // A wrongly typed field is named in any table.
+    let e = SweepConfig::parse(&base.replace("n = 2", "n = \"two\""))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[data] n: invalid type"), "{e}");
+}
