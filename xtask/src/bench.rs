@@ -166,22 +166,41 @@ fn matmul_figures(ck: &Checkpoint, prompt_tokens: usize, reps: usize) -> Result<
                 continue; // the forward takes the LM head at the last position only
             }
             let x = candle_core::Tensor::randn(0f32, 1.0, (rows, k), &dev)?;
-            let t = interleaved(
-                reps,
-                &mut [&mut || {
-                    w.forward(&x)?;
-                    Ok(())
-                }],
-            )?[0];
+            let mut gemm = || -> Result<()> {
+                w.forward(&x)?;
+                Ok(())
+            };
+            // One row: the opt-in one-row kernel beside gemm, interleaved.
+            let mut row = || -> Result<()> {
+                w.forward_row_kernel(&x)?;
+                Ok(())
+            };
+            let ts = if rows == 1 {
+                interleaved(reps, &mut [&mut gemm, &mut row])?
+            } else {
+                interleaved(reps, &mut [&mut gemm])?
+            };
+            let t = ts[0];
             let gflops = 2.0 * (rows * k * n) as f64 / t / 1e9;
             eprintln!(
                 "  {name} {rows}x{k}->{n}: {:.2} ms, {gflops:.1} GFLOP/s",
                 t * 1e3
             );
-            out.push(serde_json::json!({
+            let mut fig = serde_json::json!({
                 "product": name, "rows": rows, "in": k, "out": n,
                 "seconds": t, "gflop_per_s": gflops,
-            }));
+            });
+            if let Some(&tr) = ts.get(1) {
+                eprintln!(
+                    "  {name} 1x{k}->{n}, one-row kernel: {:.2} ms ({:.2}x gemm's time)",
+                    tr * 1e3,
+                    tr / t
+                );
+                fig["row_kernel_seconds"] = tr.into();
+                fig["row_kernel_vs_gemm"] = (tr / t).into();
+                fig["row_kernel_gb_per_s"] = ((n * k * 4) as f64 / tr / 1e9).into();
+            }
+            out.push(fig);
         }
     }
     Ok(serde_json::json!({ "backend": tolerable_runtime::MATMUL_BACKEND, "products": out }))
@@ -297,7 +316,9 @@ pub fn run(o: BenchOptions) -> Result<()> {
     );
     let dec1 = decode_tps(m, &ids, 1, 16)?;
     let dec16 = decode_tps(m, &ids, 16, 16)?;
+    let dec1_row = decode_tps(&m.clone().with_row_kernel(true), &ids, 1, 16)?;
     eprintln!("  ours f32 decode: batch 1 {dec1:.2} tok/s, batch 16 {dec16:.2} tok/s");
+    eprintln!("  ours f32 decode, batch 1, one-row kernel (opt-in): {dec1_row:.2} tok/s");
     eprintln!("  candle-transformers f32 decode: batch 1 {cand_dec1:.2} tok/s");
 
     let mut figures = serde_json::json!({
@@ -307,12 +328,13 @@ pub fn run(o: BenchOptions) -> Result<()> {
         "reps": reps,
         "prefill_s": { "ours_f32": ours_f32, "ours_f32_capture_all": ours_cap, "candle_f32": cand_f32 },
         "prefill_tok_per_s_ours_f32": n as f64 / ours_f32,
-        "decode_tok_per_s": { "f32_batch1": dec1, "f32_batch16": dec16, "candle_f32_batch1": cand_dec1 },
+        "decode_tok_per_s": { "f32_batch1": dec1, "f32_batch16": dec16, "candle_f32_batch1": cand_dec1, "f32_batch1_row_kernel": dec1_row },
         "backend": tolerable_runtime::MATMUL_BACKEND,
         "machine": tolerable_runtime::machine(),
         "hooks_off_vs_candle": ours_f32 / cand_f32,
         "prefill_vs_candle": ours_f32 / cand_f32,
         "decode_b1_vs_candle": cand_dec1 / dec1,
+        "decode_b1_row_kernel_vs_candle": cand_dec1 / dec1_row,
         "capture_all_vs_hooks_off": ours_cap / ours_f32,
         "decode_batch16_speedup": dec16 / dec1,
     });

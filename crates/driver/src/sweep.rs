@@ -677,7 +677,8 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     let plan = compile(&cfg, &mcfg, &cfg.run.model, &model_config_of)?;
     check_writable(&dir, bytes_needed(cfg.data.n, cfg.arms.len()))?;
     let t_load = Instant::now();
-    let ck = tolerable_fetch::load(&cfg.run.model, precision, &candle_core::Device::Cpu)?;
+    let mut ck = tolerable_fetch::load(&cfg.run.model, precision, &candle_core::Device::Cpu)?;
+    ck.model = ck.model.with_row_kernel(cfg.run.row_kernel);
     tracing::info!(
         "loaded {} in {:.1} s (sha256 {})",
         cfg.run.model,
@@ -770,6 +771,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         .unwrap_or_default();
     invocations.push(crate::measure::invocation(serde_json::json!({
         "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")),
+        "matmul_backend": tolerable_runtime::matmul_backend(cfg.run.row_kernel),
     })));
     let resources_meta = resources_meta(&plan.resources, &resources, &obtained);
     let mut meta = serde_json::json!({
@@ -812,6 +814,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         "cells": n_cells,
         "gates": gates,
         "threads": candle_core::utils::get_num_threads(),
+        "matmul_backend": tolerable_runtime::matmul_backend(cfg.run.row_kernel),
         "machine": tolerable_runtime::machine(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "invocations": invocations,

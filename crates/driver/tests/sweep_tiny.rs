@@ -317,6 +317,47 @@ fn batching_arms_does_not_change_continuations() {
 }
 
 #[test]
+fn the_one_row_kernel_runs_gated_and_is_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let plain = config(dir.path(), &model, 2, 2);
+    let text = std::fs::read_to_string(&plain)
+        .unwrap()
+        .replace("cell_items = 2", "cell_items = 2\nrow_kernel = true");
+    let fast = dir.path().join("fast.toml");
+    std::fs::write(&fast, text).unwrap();
+    let (a, b) = (dir.path().join("plain"), dir.path().join("fast"));
+    for (cfg, out) in [(&plain, &a), (&fast, &b)] {
+        sweep::run(
+            cfg,
+            &SweepOptions {
+                out: Some(out.clone()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    }
+    let (ma, mb) = (run_json(&a), run_json(&b));
+    assert_eq!(mb["gates"]["passed"], true);
+    let backend = |m: &serde_json::Value| m["matmul_backend"].as_str().unwrap().to_string();
+    assert!(backend(&mb).contains("one-row kernel"), "{}", backend(&mb));
+    assert!(!backend(&ma).contains("one-row kernel"), "{}", backend(&ma));
+    assert_eq!(
+        mb["invocations"][0]["matmul_backend"].as_str().unwrap(),
+        backend(&mb)
+    );
+    assert_ne!(ma["config_hash"], mb["config_hash"]);
+    // Float rounding aside, the same continuations on this tiny model.
+    let (n1, r1) = rows(&a.join("items/cell-00000.parquet"));
+    let (n2, r2) = rows(&b.join("items/cell-00000.parquet"));
+    assert_eq!(col(&n1, &r1, "arm"), col(&n2, &r2, "arm"));
+    assert_eq!(
+        col(&n1, &r1, "continuation_ids"),
+        col(&n2, &r2, "continuation_ids")
+    );
+}
+
+#[test]
 fn an_output_folder_of_another_config_is_refused_and_left_alone() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());

@@ -15,6 +15,7 @@ pub mod gates;
 pub mod hooks;
 pub mod kv_cache;
 pub mod machine;
+mod matvec;
 pub mod model;
 pub mod reference;
 pub mod weights;
@@ -25,7 +26,7 @@ pub use hooks::{Adapter, Edit, HookCache, HookPoint, HookSpec, Intervention, Pro
 pub use kv_cache::{KvCache, LayerKv, Segment, SegmentKind};
 pub use machine::{machine, Machine};
 pub use model::{ForwardOutput, Generation, GreedyOptions, Kernels, LogitsAt, Model};
-pub use weights::{Precision, Proj, MATMUL_BACKEND};
+pub use weights::{matmul_backend, Precision, Proj, MATMUL_BACKEND};
 pub mod tokenizer;
 pub use checkpoint::Checkpoint;
 pub use tokenizer::{Spans, Tokenizer};

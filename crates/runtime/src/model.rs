@@ -88,6 +88,7 @@ pub struct Model {
     cfg: ModelConfig,
     precision: Precision,
     kernels: Kernels,
+    row_kernel: bool,
     embed: Tensor,
     blocks: Vec<Block>,
     final_norm: Tensor,
@@ -193,6 +194,7 @@ impl Model {
             cfg,
             precision,
             kernels: Kernels::default(),
+            row_kernel: false,
             embed,
             blocks,
             final_norm,
@@ -292,6 +294,20 @@ impl Model {
     /// Switches kernels (fused for speed, differentiable for training).
     pub fn with_kernels(mut self, kernels: Kernels) -> Self {
         self.kernels = kernels;
+        self
+    }
+
+    /// Whether single-row products (batch-1 decoding, one position's
+    /// logits) take the one-row kernel instead of candle's gemm (f32 on the
+    /// CPU, fused kernels only). Off by default: its float rounding differs
+    /// from gemm's, so it changes rows' bits, and a run records it.
+    pub fn row_kernel(&self) -> bool {
+        self.row_kernel
+    }
+
+    /// Turns the one-row kernel on or off (see [`Model::row_kernel`]).
+    pub fn with_row_kernel(mut self, on: bool) -> Self {
+        self.row_kernel = on;
         self
     }
 
@@ -558,6 +574,7 @@ impl Model {
     fn proj(&self, w: &Proj, x: &Tensor) -> Result<Tensor> {
         match self.kernels {
             Kernels::Differentiable => w.forward_frozen(x),
+            Kernels::Fused if self.row_kernel => w.forward_row_kernel(x),
             Kernels::Fused => w.forward(x),
         }
     }

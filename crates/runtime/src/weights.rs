@@ -46,6 +46,16 @@ impl std::str::FromStr for Precision {
 /// in every run's `run.json` and in the bench).
 pub const MATMUL_BACKEND: &str = "candle CPU matmul (gemm crate)";
 
+/// The backend as a run records it: [`MATMUL_BACKEND`], and whether
+/// single-row products took the one-row kernel instead.
+pub fn matmul_backend(row_kernel: bool) -> String {
+    if row_kernel {
+        format!("{MATMUL_BACKEND}; single rows by tolerable's one-row kernel")
+    } else {
+        MATMUL_BACKEND.to_string()
+    }
+}
+
 /// Up to this many rows, a dense projection multiplies as (W xᵀ)ᵀ.
 const SMALL_BATCH_ROWS: usize = 32;
 
@@ -77,6 +87,32 @@ impl Proj {
         let mut out_dims = dims;
         *out_dims.last_mut().unwrap() = y.dim(1)?;
         Ok(y.reshape(out_dims)?)
+    }
+
+    /// As [`Proj::forward`], except that a single f32 row on the CPU (batch-1
+    /// decoding, one position's logits) is multiplied by the one-row kernel
+    /// (parallel, at the memory bandwidth; its own float rounding).
+    pub fn forward_row_kernel(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let last = *dims.last().unwrap_or(&0);
+        match self {
+            Proj::Dense(w)
+                if x.dtype() == DType::F32
+                    && x.device().is_cpu()
+                    && w.device().is_cpu()
+                    && last > 0
+                    && x.elem_count() == last =>
+            {
+                let y = x
+                    .reshape((1, last))?
+                    .contiguous()?
+                    .apply_op1(crate::matvec::RowMatvec { w: w.clone() })?;
+                let mut out_dims = dims;
+                *out_dims.last_mut().unwrap() = y.dim(1)?;
+                Ok(y.reshape(out_dims)?)
+            }
+            _ => self.forward(x),
+        }
     }
 
     /// As [`Proj::forward`], for a frozen receiver under gradients: the

@@ -228,6 +228,41 @@ fn batched_forward_and_decoding_match_one_at_a_time() {
 }
 
 #[test]
+fn the_one_row_kernel_is_opt_in_and_agrees_with_gemm() {
+    let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
+    let m = &ck.model;
+    assert!(!m.row_kernel(), "the one-row kernel must be opt-in");
+    let fast = m.clone().with_row_kernel(true);
+    assert!(fast.row_kernel());
+    let seq = ck.tokenizer.encode(PROMPTS[0]).unwrap()[..12].to_vec();
+    let opts = GreedyOptions::tokens(8);
+    let gen = |model: &Model| {
+        let mut c = model.new_cache(1);
+        model.generate(&[seq.clone()], &mut c, &opts).unwrap()
+    };
+    let (a, b) = (gen(m), gen(&fast));
+    // One position's logits go through the kernel at batch 1; its rounding
+    // differs from gemm's, within float tolerance.
+    let d = max_diff(&a.first_logits, &b.first_logits);
+    assert!(d < 1e-4, "{d}");
+    assert!(d > 0.0, "the kernel was not used: gemm's bits exactly");
+    assert_eq!(a.tokens, b.tokens);
+    // Off means gemm's own bits.
+    let again = gen(&m.clone().with_row_kernel(false));
+    assert!(gates::bit_equal(&a.first_logits, &again.first_logits).unwrap());
+    // Batches of rows, and every position's logits, never take it.
+    let t = m.tokens(&[seq.clone()]).unwrap();
+    let all = |model: &Model| {
+        model
+            .forward(&t, &mut model.new_cache(1), &HookSpec::new(), LogitsAt::All)
+            .unwrap()
+            .logits
+            .unwrap()
+    };
+    assert!(gates::bit_equal(&all(m), &all(&fast)).unwrap());
+}
+
+#[test]
 fn early_stop_only_when_asked() {
     let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
     let m = &ck.model;
