@@ -769,10 +769,10 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         .and_then(|v| v["invocations"].as_array().cloned())
         .unwrap_or_default();
-    invocations.push(crate::measure::invocation(serde_json::json!({
-        "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")),
-        "matmul_backend": tolerable_runtime::matmul_backend(cfg.run.row_kernel),
-    })));
+    invocations.push(crate::measure::invocation(
+        &tolerable_runtime::matmul_backend(cfg.run.row_kernel),
+        serde_json::json!({ "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")) }),
+    ));
     let resources_meta = resources_meta(&plan.resources, &resources, &obtained);
     let mut meta = serde_json::json!({
         "name": cfg.run.name,

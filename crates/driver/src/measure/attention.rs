@@ -938,7 +938,10 @@ pub fn run(
         None => None,
     };
     let mut invocations = rd.invocations();
-    invocations.push(invocation(serde_json::json!({})));
+    invocations.push(invocation(
+        &tolerable_runtime::matmul_backend(false),
+        serde_json::json!({}),
+    ));
     let mut meta = super::run_meta(cfg, config_path, &ck, &gates, invocations);
     super::extend_meta(
         &mut meta,

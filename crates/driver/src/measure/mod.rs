@@ -475,7 +475,7 @@ pub(crate) fn run_meta(
         "build_revision": build_revision(),
         "gates": gates,
         "threads": candle_core::utils::get_num_threads(),
-        "matmul_backend": tolerable_runtime::MATMUL_BACKEND,
+        "matmul_backend": tolerable_runtime::matmul_backend(false),
         "machine": tolerable_runtime::machine(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "invocations": invocations,
@@ -503,15 +503,17 @@ pub fn build_revision() -> &'static str {
 }
 
 /// The record of this invocation for `run.json`'s `invocations` (sweeps'
-/// and measurement runs' alike; `extra` adds fields, a sweep's shard).
-pub fn invocation(extra: serde_json::Value) -> serde_json::Value {
+/// and measurement runs' alike): the matrix-multiply backend it ran on
+/// (see [`tolerable_runtime::matmul_backend`]), and `extra`'s fields (a
+/// sweep's shard).
+pub fn invocation(backend: &str, extra: serde_json::Value) -> serde_json::Value {
     let mut v = serde_json::json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "git_revision": crate::sweep::git_revision(),
         "build_revision": build_revision(),
         "gates_passed": true,
         "threads": candle_core::utils::get_num_threads(),
-        "matmul_backend": tolerable_runtime::MATMUL_BACKEND,
+        "matmul_backend": backend,
         "machine": tolerable_runtime::machine(),
         "unix_time": std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

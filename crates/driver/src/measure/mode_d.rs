@@ -1116,6 +1116,7 @@ pub fn run(
     let run_name = cfg.run.name.as_str();
     let mut invocations = rd.invocations();
     invocations.push(invocation(
+        &tolerable_runtime::matmul_backend(false),
         serde_json::json!({ "contexts": opts.contexts, "layers": opts.layers }),
     ));
     let pairs_meta: Vec<serde_json::Value> = plan
