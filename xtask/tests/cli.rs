@@ -368,6 +368,14 @@ fn a_dry_run_prints_the_plan_and_writes_nothing_and_merge_refuses_an_unfinished_
     ] {
         assert!(plan.contains(want), "{want} missing from:\n{plan}");
     }
+    // The residual arms' restarts are counted in the estimate.
+    let restarts: usize = plan
+        .split("context tokens in passes, ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no restart count in:\n{plan}"));
+    assert!(restarts > 0, "no restart tokens counted:\n{plan}");
     assert!(!out.exists(), "a dry run wrote {}", out.display());
     // One shard of two, then --merge: the run is unfinished, and says which cells.
     let run = dir.path().join("half");

@@ -549,9 +549,13 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
     }
     out.push_str(&plan.describe(&status));
     // Estimate: passes read each context once (the shared prefix once),
-    // partners once each, the question per arm; decoding is batched.
+    // partners once each, the question per arm; an arm with residual
+    // injections also re-reads its context from its first injected position
+    // through the layers from its lowest one (counted in whole-model tokens);
+    // decoding is batched.
     let mut pass_tokens = 0usize;
     let mut question_tokens = 0usize;
+    let mut restart_tokens = 0f64;
     for it in &sample.items {
         let p = it.pair();
         pass_tokens += p.alt_len() + p.base.len() + plan.needs.partners * p.alt_len();
@@ -559,14 +563,33 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
             question_tokens += p.suffix.len();
         }
         question_tokens += p.suffix.len() * plan.programs.len();
+        let g = crate::passes::geometry(&p);
+        for prog in &plan.programs {
+            let start = prog
+                .resid_steps
+                .iter()
+                .flat_map(|s| s.layers.iter().copied())
+                .min();
+            let p0 = prog
+                .resid_steps
+                .iter()
+                .flat_map(|s| s.positions.resolve(&g))
+                .min();
+            if let (Some(start), Some(p0)) = (start, p0) {
+                let depth = mcfg.n_layers.saturating_sub(start) as f64 / mcfg.n_layers as f64;
+                restart_tokens += g.context_len.saturating_sub(p0) as f64 * depth;
+            }
+        }
     }
+    let restart_tokens = restart_tokens.round() as usize;
     let decode_tokens = sample.items.len() * plan.programs.len() * cfg.run.new_tokens;
     let params =
         (mcfg.n_layers * (4 * mcfg.d_model * mcfg.d_model + 3 * mcfg.d_model * mcfg.d_ffn)) as f64;
     // 0.5B-class prefill runs about 140 tokens/s on 2 cores (README); scale by parameters.
     let rate = 140.0 * (24.0 * (4.0 * 896.0 * 896.0 + 3.0 * 896.0 * 4864.0)) / params;
     let decode_rate = rate * 4.0; // batched decoding steps serve many arms at once
-    let secs = (pass_tokens + question_tokens) as f64 / rate + decode_tokens as f64 / decode_rate;
+    let secs = (pass_tokens + question_tokens + restart_tokens) as f64 / rate
+        + decode_tokens as f64 / decode_rate;
     let res_tokens: usize = plan
         .resources
         .iter()
@@ -574,7 +597,7 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
         .map(|(_, s)| s.kind().estimate_tokens())
         .sum();
     out.push_str(&format!(
-        "estimate: {pass_tokens} context tokens in passes, {question_tokens} question tokens, {decode_tokens} decoded tokens (batched), {res_tokens} tokens to build resources; about {:.0} min at ~{rate:.0} prefill tokens/s (a rough figure for this 2-core machine)\n",
+        "estimate: {pass_tokens} context tokens in passes, {restart_tokens} in residual restarts (whole-model equivalent), {question_tokens} question tokens, {decode_tokens} decoded tokens (batched), {res_tokens} tokens to build resources; about {:.0} min at ~{rate:.0} prefill tokens/s (a rough figure for this 2-core machine)\n",
         (secs + res_tokens as f64 / rate) / 60.0
     ));
     Ok(out)
