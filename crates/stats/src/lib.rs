@@ -1,6 +1,7 @@
 //! Statistics for transfer experiments (PROTOCOL.md section 8): binomial
 //! standard errors, normal and Wilson intervals, differences of two
-//! proportions, control-subtracted lift against the strongest control, and
+//! proportions (independent, or paired on the same items with the exact
+//! McNemar test), control-subtracted lift against the strongest control, and
 //! the fidelity and divergence measures of the carrier experiments.
 //!
 //! **Architecture invariant:** no tensor library, no model: plain numbers in,
@@ -11,7 +12,9 @@ pub mod measures;
 pub mod proportion;
 
 pub use measures::{cosine, kl_divergence_logits, log_softmax, pearson, relative_l2, softmax};
-pub use proportion::{difference, lift, Difference, Interval, Lift, Proportion};
+pub use proportion::{
+    difference, lift, mcnemar_exact, paired, Difference, Interval, Lift, Paired, Proportion,
+};
 
 /// Errors of the statistics functions.
 #[derive(Debug, thiserror::Error, PartialEq)]

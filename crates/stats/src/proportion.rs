@@ -116,6 +116,71 @@ pub fn difference(a: Proportion, b: Proportion) -> Difference {
     }
 }
 
+/// Two arms scored on the same items: `a − b` with the statistics of
+/// paired outcomes (the discordant items carry all the information).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Paired {
+    /// Items scored by both.
+    pub n: usize,
+    /// Items `a` gets right and `b` wrong.
+    pub gained: usize,
+    /// Items `a` gets wrong and `b` right.
+    pub lost: usize,
+    /// p_a − p_b = (gained − lost) / n.
+    pub diff: f64,
+    /// The paired standard error sqrt(g + l − (g − l)² / n) / n.
+    pub se: f64,
+    /// Exact two-sided McNemar p-value: the binomial(g + l, 1/2) tail of
+    /// the smaller discordant count, doubled and capped at 1 (1 when no
+    /// item is discordant).
+    pub mcnemar_p: f64,
+}
+
+/// `a − b` over paired outcomes (`a[i]` and `b[i]` are the same item).
+pub fn paired(a: &[bool], b: &[bool]) -> Result<Paired> {
+    if a.len() != b.len() {
+        return Err(StatsError::LengthMismatch(a.len(), b.len()));
+    }
+    if a.is_empty() {
+        return Err(StatsError::Empty("paired outcomes"));
+    }
+    let n = a.len();
+    let gained = a.iter().zip(b).filter(|(x, y)| **x && !**y).count();
+    let lost = a.iter().zip(b).filter(|(x, y)| !**x && **y).count();
+    let (g, l, nf) = (gained as f64, lost as f64, n as f64);
+    let diff = (g - l) / nf;
+    let se = (g + l - (g - l).powi(2) / nf).max(0.0).sqrt() / nf;
+    Ok(Paired {
+        n,
+        gained,
+        lost,
+        diff,
+        se,
+        mcnemar_p: mcnemar_exact(gained, lost),
+    })
+}
+
+/// Exact two-sided McNemar p-value of `gained` against `lost` discordant
+/// items: 2 P(X <= min) for X ~ binomial(gained + lost, 1/2), capped at 1.
+pub fn mcnemar_exact(gained: usize, lost: usize) -> f64 {
+    let m = gained + lost;
+    if m == 0 {
+        return 1.0;
+    }
+    let k = gained.min(lost);
+    // Sum C(m, i) / 2^m in log space (m can be in the hundreds).
+    let ln_half_m = -(m as f64) * std::f64::consts::LN_2;
+    let mut ln_c = 0.0f64; // ln C(m, 0)
+    let mut tail = 0.0f64;
+    for i in 0..=k {
+        if i > 0 {
+            ln_c += ((m - i + 1) as f64).ln() - (i as f64).ln();
+        }
+        tail += (ln_c + ln_half_m).exp();
+    }
+    (2.0 * tail).min(1.0)
+}
+
 /// Accuracy minus the strongest (highest) control.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Lift {
@@ -152,6 +217,35 @@ mod tests {
         assert!((d.se - 0.047).abs() < 0.0005, "{}", d.se);
         assert!((d.z - 0.64).abs() < 0.01, "{}", d.z);
         assert!((d.diff - 0.030).abs() < 1e-12);
+    }
+
+    #[test]
+    fn paired_outcomes_and_the_exact_mcnemar_test() {
+        // Known values: 2 P(X <= 2), X ~ Bin(10, 1/2) = 2 * 56/1024.
+        assert!((mcnemar_exact(8, 2) - 0.109375).abs() < 1e-12);
+        assert!((mcnemar_exact(2, 8) - 0.109375).abs() < 1e-12);
+        assert_eq!(mcnemar_exact(0, 0), 1.0);
+        assert_eq!(mcnemar_exact(3, 3), 1.0);
+        // 2 P(X <= 0), X ~ Bin(5, 1/2) = 2/32.
+        assert!((mcnemar_exact(5, 0) - 0.0625).abs() < 1e-12);
+        // Large counts stay finite: 2 P(X <= 100), X ~ Bin(300, 1/2) is
+        // about 1.1e-8 (normal approximation with continuity: z = 5.72).
+        let p = mcnemar_exact(200, 100);
+        assert!(p > 1e-9 && p < 1e-7, "{p}");
+        // Items: a right on 0..6, b right on 4..9 of 10.
+        let a: Vec<bool> = (0..10).map(|i| i < 6).collect();
+        let b: Vec<bool> = (0..10).map(|i| (4..9).contains(&i)).collect();
+        let d = paired(&a, &b).unwrap();
+        assert_eq!((d.n, d.gained, d.lost), (10, 4, 3));
+        assert!((d.diff - 0.1).abs() < 1e-12);
+        assert!(
+            (d.se - (7.0f64 - 0.1).sqrt() / 10.0).abs() < 1e-12,
+            "{}",
+            d.se
+        );
+        assert!((d.mcnemar_p - 1.0).abs() < 1e-12);
+        assert!(paired(&a, &b[..9]).is_err());
+        assert!(paired(&[], &[]).is_err());
     }
 
     #[test]
