@@ -120,13 +120,22 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     }
     let _ = writeln!(
         md,
-        "| arm | n | accuracy ± SE | 95% CI | Wilson 95% | conditional (n) | span-copy | conditional − span-copy (z) | fidelity cos | achieved cos | logit corr | lift over strongest control [95% CI] | bit-exact |"
+        "| arm | n | accuracy ± SE | 95% CI | Wilson 95% | conditional (n) | span-copy | conditional − span-copy (z) | fidelity cos | achieved cos | logit corr | lift over strongest control [95% CI]; paired items gained/lost, McNemar p | bit-exact |"
     );
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let lift = match (r.lift, r.lift_lo, r.lift_hi, &r.strongest_control) {
             (Some(d), Some(lo), Some(hi), Some(c)) => {
-                format!("{d:+.3} [{lo:+.3}, {hi:+.3}] vs `{c}`")
+                let paired = match (r.lift_gained, r.lift_lost, r.lift_mcnemar_p) {
+                    (Some(g), Some(l), Some(p)) if p >= 1e-3 => {
+                        format!("; +{g}/−{l} items, McNemar p {p:.3}")
+                    }
+                    (Some(g), Some(l), Some(p)) => {
+                        format!("; +{g}/−{l} items, McNemar p {p:.1e}")
+                    }
+                    _ => String::new(),
+                };
+                format!("{d:+.3} [{lo:+.3}, {hi:+.3}] vs `{c}`{paired}")
             }
             _ => "–".into(),
         };

@@ -32,6 +32,27 @@ fn required<T>(x: Option<T>, name: &str) -> PolarsResult<T> {
 }
 
 macro_rules! leaf {
+    // A nullable column that an older table lacks reads as nulls: columns
+    // added to a record later are nullable, so earlier runs stay readable.
+    (nullable $ty:ty, $arrow:literal, |$n:ident, $v:ident| $make:expr, |$c:ident| $read:expr) => {
+        impl Columns for $ty {
+            fn schema(
+                name: &'static str,
+                doc: &'static str,
+            ) -> Vec<(&'static str, &'static str, String)> {
+                vec![(name, $arrow, doc.trim().to_string())]
+            }
+            fn columns($n: &'static str, $v: Vec<Self>) -> Vec<Column> {
+                vec![$make]
+            }
+            fn read(df: &DataFrame, name: &'static str) -> Result<Vec<Self>> {
+                let Ok($c) = df.column(name) else {
+                    return Ok(vec![None; df.height()]);
+                };
+                typed(name, (|| -> PolarsResult<Vec<Self>> { Ok($read) })())
+            }
+        }
+    };
     ($ty:ty, $arrow:literal, |$n:ident, $v:ident| $make:expr, |$c:ident| $read:expr) => {
         impl Columns for $ty {
             fn schema(
@@ -57,7 +78,7 @@ leaf!(String, "string", |n, v| Column::new(n.into(), v), |c| c
     .map(|x| required(x, c.name()).map(String::from))
     .collect::<PolarsResult<_>>()?);
 leaf!(
-    Option<String>,
+    nullable Option<String>,
     "string (nullable)",
     |n, v| Column::new(n.into(), v),
     |c| c.str()?.iter().map(|x| x.map(String::from)).collect()
@@ -68,7 +89,7 @@ leaf!(i64, "int64", |n, v| Column::new(n.into(), v), |c| c
     .map(|x| required(x, c.name()))
     .collect::<PolarsResult<_>>()?);
 leaf!(
-    Option<i64>,
+    nullable Option<i64>,
     "int64 (nullable)",
     |n, v| Column::new(n.into(), v),
     |c| c.i64()?.iter().collect()
@@ -79,7 +100,7 @@ leaf!(f64, "double", |n, v| Column::new(n.into(), v), |c| c
     .map(|x| required(x, c.name()))
     .collect::<PolarsResult<_>>()?);
 leaf!(
-    Option<f64>,
+    nullable Option<f64>,
     "double (nullable)",
     |n, v| Column::new(n.into(), v),
     |c| c.f64()?.iter().collect()
@@ -90,7 +111,7 @@ leaf!(bool, "bool", |n, v| Column::new(n.into(), v), |c| c
     .map(|x| required(x, c.name()))
     .collect::<PolarsResult<_>>()?);
 leaf!(
-    Option<bool>,
+    nullable Option<bool>,
     "bool (nullable)",
     |n, v| Column::new(n.into(), v),
     |c| c.bool()?.iter().collect()

@@ -301,6 +301,15 @@ mod tests {
         write_rows(vec![row.clone(), row.clone()], &p).unwrap();
         let back: Vec<ItemRow> = columns::rows(&read_parquet(&p).unwrap()).unwrap();
         assert_eq!(back, vec![row.clone(), row.clone()]);
+        // A table from before a nullable column existed reads it as nulls;
+        // a missing column that holds no nulls is an error naming it.
+        let older = read_parquet(&p).unwrap().drop("fidelity_cosine").unwrap();
+        let back: Vec<ItemRow> = columns::rows(&older).unwrap();
+        assert!(back.iter().all(|r| r.fidelity_cosine.is_none()));
+        assert_eq!(back[0].item_id, "x");
+        let broken = read_parquet(&p).unwrap().drop("item_id").unwrap();
+        let e = columns::rows::<ItemRow>(&broken).unwrap_err().to_string();
+        assert!(e.contains("item_id"), "{e}");
         let left: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())

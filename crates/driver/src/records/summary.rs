@@ -6,7 +6,7 @@ use super::{ArmColumns, ItemRow};
 use crate::config::SweepConfig;
 use crate::error::{DriverError, Result};
 use crate::record;
-use tolerable_stats::{difference, lift, Proportion};
+use tolerable_stats::{difference, lift, paired, Proportion};
 
 record! {
     /// One (run, arm) summary row. Column names differ from item rows'
@@ -63,6 +63,14 @@ record! {
         pub lift_hi: Option<f64>,
         /// The lift's z (difference over its SE).
         pub lift_z: Option<f64>,
+        /// Items where this arm is right and the strongest control wrong (paired items).
+        pub lift_gained: Option<i64>,
+        /// Items where this arm is wrong and the strongest control right.
+        pub lift_lost: Option<i64>,
+        /// The lift's paired standard error (over the items both scored).
+        pub lift_paired_se: Option<f64>,
+        /// Exact two-sided McNemar p-value of the lift (paired items).
+        pub lift_mcnemar_p: Option<f64>,
         /// The run's floor accuracy.
         pub floor_accuracy: f64,
         /// The run's native reference accuracy.
@@ -138,6 +146,22 @@ pub fn summarize(
                 ctrl.iter().map(|(n, p)| (n.as_str(), *p)).collect();
             Some(lift(p, &refs)?)
         };
+        // The lift again as paired outcomes over the items both scored.
+        let paired_lift = match &lifted {
+            Some(l) => {
+                let ctrl_rows = rows_of(&l.control);
+                let ctrl: std::collections::HashMap<&str, bool> = ctrl_rows
+                    .iter()
+                    .map(|r| (r.item_id.as_str(), r.correct))
+                    .collect();
+                let (a, b): (Vec<bool>, Vec<bool>) = rows
+                    .iter()
+                    .filter_map(|r| ctrl.get(r.item_id.as_str()).map(|&c| (r.correct, c)))
+                    .unzip();
+                (!a.is_empty()).then(|| paired(&a, &b)).transpose()?
+            }
+            None => None,
+        };
         out.push(SummaryRow {
             arm: cols.clone(),
             n_items: p.n as i64,
@@ -173,10 +197,118 @@ pub fn summarize(
             lift_lo: lifted.as_ref().map(|l| l.difference.ci95.lo),
             lift_hi: lifted.as_ref().map(|l| l.difference.ci95.hi),
             lift_z: lifted.as_ref().map(|l| l.difference.z),
+            lift_gained: paired_lift.map(|d| d.gained as i64),
+            lift_lost: paired_lift.map(|d| d.lost as i64),
+            lift_paired_se: paired_lift.map(|d| d.se),
+            lift_mcnemar_p: paired_lift.map(|d| d.mcnemar_p),
             floor_accuracy: floor_acc,
             native_accuracy: native_acc,
             seconds_per_item: mean(rows.iter().map(|r| r.seconds)).unwrap_or(0.0),
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hand-made item rows for a four-arm config, and the summary's values
+    /// checked against figures worked out by hand.
+    #[test]
+    fn the_summary_statistics_have_their_worked_values() {
+        let cfg = SweepConfig::parse(
+            r#"
+[run]
+name = "s"
+model = "m"
+[data]
+source = "synthetic"
+n = 10
+[[arms]]
+name = "floor"
+base = "masked"
+[[arms]]
+name = "native"
+base = "full"
+[[arms]]
+name = "treat"
+controls = ["ctrl", "floor"]
+inject = { carrier = "h", layers = 1, source = "holder" }
+[[arms]]
+name = "ctrl"
+inject = { carrier = "h", layers = 1, source = "own" }
+"#,
+        )
+        .unwrap();
+        let columns: Vec<ArmColumns> = cfg
+            .arms
+            .iter()
+            .map(|pa| ArmColumns::of("s", pa, vec![], vec![]))
+            .collect();
+        // Ten items. native right on 0..5; treat right on 0..6; ctrl right
+        // on 4..9; floor on none. treat copies a span on items 0 and 7.
+        let right = |arm: &str, i: usize| match arm {
+            "native" => i < 5,
+            "treat" => i < 6,
+            "ctrl" => (4..9).contains(&i),
+            _ => false,
+        };
+        let mut items = Vec::new();
+        for (pa, cols) in cfg.arms.iter().zip(&columns) {
+            let name = pa.arm.name.as_str();
+            // Rows in a scrambled item order: pairing goes by item id.
+            for i in (0..10).rev() {
+                items.push(ItemRow {
+                    arm: cols.clone(),
+                    item_index: i as i64,
+                    item_id: format!("q{i}"),
+                    prompt_tokens: 10,
+                    fact_tokens: 2,
+                    n_sites: 2,
+                    continuation: String::new(),
+                    continuation_ids: vec![],
+                    correct: right(name, i),
+                    span_copy: name == "treat" && (i == 0 || i == 7),
+                    native_correct: i < 5,
+                    fidelity_cosine: None,
+                    achieved_cosine: None,
+                    logit_correlation: None,
+                    bit_exact: None,
+                    seconds: 1.0,
+                });
+            }
+        }
+        let out = summarize(&cfg, &columns, &items).unwrap();
+        let row = |name: &str| out.iter().find(|r| r.arm.arm == name).unwrap();
+        let t = row("treat");
+        assert_eq!((t.n_items, t.n_correct), (10, 6));
+        assert!((t.se - (0.6f64 * 0.4 / 10.0).sqrt()).abs() < 1e-12);
+        assert_eq!((row("floor").accuracy, row("native").accuracy), (0.0, 0.5));
+        assert_eq!((t.floor_accuracy, t.native_accuracy), (0.0, 0.5));
+        // Conditional on native's 5 items: treat right on all 5.
+        assert_eq!((t.cond_n, t.cond_accuracy), (5, Some(1.0)));
+        // Span copies: 2 of 10 items, 1 of the 6 correct.
+        assert_eq!(t.span_copy_rate, 0.2);
+        assert!((t.span_copy_rate_correct.unwrap() - 1.0 / 6.0).abs() < 1e-12);
+        // Conditional minus span-copy: 1.0 - 0.2, over sqrt(0 + .2 * .8 / 10).
+        assert!((t.cond_minus_span_copy.unwrap() - 0.8).abs() < 1e-12);
+        let z = 0.8 / (0.2f64 * 0.8 / 10.0).sqrt();
+        assert!((t.cond_minus_span_copy_z.unwrap() - z).abs() < 1e-9);
+        // The strongest control is ctrl (0.5 > 0.0): lift 0.1, unpaired SE
+        // sqrt(.24/10 + .25/10).
+        assert_eq!(t.strongest_control.as_deref(), Some("ctrl"));
+        assert!((t.lift.unwrap() - 0.1).abs() < 1e-12);
+        let se = (0.024f64 + 0.025).sqrt();
+        assert!((t.lift_z.unwrap() - 0.1 / se).abs() < 1e-9);
+        assert!((t.lift_lo.unwrap() - (0.1 - 1.959_963_984_540_054 * se)).abs() < 1e-9);
+        // Paired: treat alone on items 0..4 (4 gained), ctrl alone on 6..9
+        // (3 lost); McNemar 2 P(X <= 3), X ~ Bin(7, 1/2) = 2 * 64/128 = 1.
+        assert_eq!((t.lift_gained, t.lift_lost), (Some(4), Some(3)));
+        assert!((t.lift_paired_se.unwrap() - (7.0f64 - 0.1).sqrt() / 10.0).abs() < 1e-12);
+        assert!((t.lift_mcnemar_p.unwrap() - 1.0).abs() < 1e-12);
+        // An arm without controls has no lift.
+        assert_eq!(row("ctrl").lift, None);
+        assert_eq!(row("ctrl").lift_mcnemar_p, None);
+    }
 }
