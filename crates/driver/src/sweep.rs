@@ -309,6 +309,10 @@ pub struct ObtainedResource {
     /// model, another spec, a checksum that does not match, or a value that
     /// does not fit the receiver (an adapter of another rank or width).
     pub rejected: Option<String>,
+    /// sha256 of the value's file: what the run's cells actually read (a
+    /// rebuilt resource of the same spec hash that trained differently has
+    /// another).
+    pub value_sha256: String,
 }
 
 /// The sha256 a run's resource hashes use for its receiver: the hash
@@ -346,58 +350,65 @@ pub fn obtain_resources(
         let (name, spec, hash) = (&r.name, &r.spec, &r.hash);
         let kind = spec.kind();
         let ids: Vec<String> = r.items.iter().map(|i| i.item.id.clone()).collect();
-        let (value, obtained, secs, rejected) = match store.load(spec, hash, &model_sha, cfg)? {
-            Ok((v, meta)) => {
-                tracing::info!(
-                    "resource `{name}` ({}) loaded from the cache ({hash})",
-                    kind.describe()
-                );
-                (v, Obtained::Cached, meta.build_seconds, None)
-            }
-            Err(why) => {
-                let (obtained, rejected) = if why == "absent" {
-                    (Obtained::Built, None)
-                } else {
-                    tracing::warn!(
-                        "resource `{name}`: the cached copy is not used: {why}; rebuilding"
+        let (value, obtained, secs, rejected, value_sha256) =
+            match store.load(spec, hash, &model_sha, cfg)? {
+                Ok((v, meta)) => {
+                    tracing::info!(
+                        "resource `{name}` ({}) loaded from the cache ({hash})",
+                        kind.describe()
                     );
-                    (Obtained::Rebuilt, Some(why))
-                };
-                tracing::info!(
-                    "building resource `{name}` ({}) on {} training items",
-                    kind.describe(),
-                    ids.len()
-                );
-                let cx = BuildCx {
-                    train: TrainCx {
-                        field: format!("[resources.{name}]"),
-                        ..*train
-                    },
-                    model: &ck.model,
-                    senders,
-                    deps: &values,
-                    holders,
-                    scratch: &scratch,
-                };
-                let t0 = Instant::now();
-                let v = kind.build(&cx, &r.items)?;
-                kind.check(&v, cfg)?;
-                let secs = t0.elapsed().as_secs_f64();
-                store.save(
-                    &v,
-                    &Meta {
-                        hash: hash.clone(),
-                        spec: spec.clone(),
-                        model_sha256: model_sha.clone(),
-                        items: ids.clone(),
-                        value_sha256: String::new(),
-                        build_seconds: secs,
-                    },
-                )?;
-                tracing::info!("resource `{name}` built in {secs:.1} s ({hash})");
-                (v, obtained, secs, rejected)
-            }
-        };
+                    (
+                        v,
+                        Obtained::Cached,
+                        meta.build_seconds,
+                        None,
+                        meta.value_sha256,
+                    )
+                }
+                Err(why) => {
+                    let (obtained, rejected) = if why == "absent" {
+                        (Obtained::Built, None)
+                    } else {
+                        tracing::warn!(
+                            "resource `{name}`: the cached copy is not used: {why}; rebuilding"
+                        );
+                        (Obtained::Rebuilt, Some(why))
+                    };
+                    tracing::info!(
+                        "building resource `{name}` ({}) on {} training items",
+                        kind.describe(),
+                        ids.len()
+                    );
+                    let cx = BuildCx {
+                        train: TrainCx {
+                            field: format!("[resources.{name}]"),
+                            ..*train
+                        },
+                        model: &ck.model,
+                        senders,
+                        deps: &values,
+                        holders,
+                        scratch: &scratch,
+                    };
+                    let t0 = Instant::now();
+                    let v = kind.build(&cx, &r.items)?;
+                    kind.check(&v, cfg)?;
+                    let secs = t0.elapsed().as_secs_f64();
+                    let sum = store.save(
+                        &v,
+                        &Meta {
+                            hash: hash.clone(),
+                            spec: spec.clone(),
+                            model_sha256: model_sha.clone(),
+                            items: ids.clone(),
+                            value_sha256: String::new(),
+                            build_seconds: secs,
+                        },
+                    )?;
+                    tracing::info!("resource `{name}` built in {secs:.1} s ({hash})");
+                    (v, obtained, secs, rejected, sum)
+                }
+            };
         values.insert(name.clone(), value);
         info.insert(
             name.clone(),
@@ -407,6 +418,7 @@ pub fn obtain_resources(
                 build_seconds: secs,
                 items: ids,
                 rejected,
+                value_sha256,
             },
         );
     }
@@ -431,6 +443,7 @@ pub(crate) fn resources_meta(
                     "kind": spec.kind().kind(),
                     "spec": spec,
                     "hash": o.hash,
+                    "value_sha256": o.value_sha256,
                     "obtained": o.obtained,
                     "rejected_cache": o.rejected,
                     "build_seconds": o.build_seconds,
@@ -443,6 +456,50 @@ pub(crate) fn resources_meta(
             ))
         })
         .collect()
+}
+
+/// Refuses to add cells to a run whose finished cells read other resource
+/// values: the same spec hash rebuilt into a different value (a bridge
+/// retrained after its cache was lost, on another machine or thread count).
+/// A resource is the same when its value file's sha256 is; a run recorded
+/// before value checksums compares the kind's summary (a bridge's training
+/// curve) instead. A folder without finished cells takes any resources.
+pub(crate) fn check_resources_unchanged(
+    dir: &Path,
+    now: &serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
+    if records::cell_files(dir)?.is_empty() {
+        return Ok(());
+    }
+    let Some(before) = std::fs::read_to_string(dir.join("run.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+    else {
+        return Ok(());
+    };
+    for (name, was) in before["resources"].as_object().into_iter().flatten() {
+        let Some(is) = now.get(name) else { continue };
+        let differs = match (was["value_sha256"].as_str(), is["value_sha256"].as_str()) {
+            (Some(a), Some(b)) if !a.is_empty() && !b.is_empty() => (a != b)
+                .then(|| format!("its value file's sha256 was {a}, is {b}")),
+            _ if !was["summary"].is_null() && was["summary"] != is["summary"] => Some(format!(
+                "the finished cells recorded no value checksum, and its summary differs (was {}, is {})",
+                was["summary"], is["summary"]
+            )),
+            _ => None,
+        };
+        if let Some(why) = differs {
+            return Err(DriverError::OutDir {
+                dir: dir.display().to_string(),
+                reason: format!(
+                    "resource `{name}` is not the one its finished cells read: {why}; \
+                     cells made with different resources cannot be merged (restore the \
+                     resource cache, or run into another --out)"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The plan of a config, as `--dry-run` prints it: compiled against the
@@ -797,6 +854,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         serde_json::json!({ "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")) }),
     ));
     let resources_meta = resources_meta(&plan.resources, &resources, &obtained);
+    check_resources_unchanged(&dir, &resources_meta)?;
     let mut meta = serde_json::json!({
         "name": cfg.run.name,
         "config_hash": hash,
@@ -1108,5 +1166,47 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("cannot be created"), "{e}");
+    }
+
+    #[test]
+    fn cells_made_with_other_resource_values_are_not_added_to() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path();
+        let meta = |v: serde_json::Value| v.as_object().unwrap().clone();
+        let write_run = |resources: serde_json::Value| {
+            std::fs::write(
+                run.join("run.json"),
+                serde_json::json!({ "resources": resources }).to_string(),
+            )
+            .unwrap();
+        };
+        let bridge = |sha: &str, curve: f64| serde_json::json!({ "value_sha256": sha, "summary": { "curve": [curve] } });
+        write_run(serde_json::json!({ "lora": bridge("aa", 0.5) }));
+        let other = meta(serde_json::json!({ "lora": bridge("bb", 0.5) }));
+        // No finished cells yet: any resources are taken.
+        check_resources_unchanged(run, &other).unwrap();
+        std::fs::create_dir_all(run.join("items")).unwrap();
+        std::fs::write(run.join("items/cell-00000.parquet"), b"x").unwrap();
+        // The same value again: fine. Another value of the same spec: refused,
+        // naming the resource and both checksums.
+        check_resources_unchanged(run, &meta(serde_json::json!({ "lora": bridge("aa", 0.5) })))
+            .unwrap();
+        let e = check_resources_unchanged(run, &other)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`lora`") && e.contains("aa") && e.contains("bb"),
+            "{e}"
+        );
+        // A run recorded before value checksums: its summary decides.
+        write_run(serde_json::json!({ "lora": { "summary": { "curve": [0.5] } } }));
+        check_resources_unchanged(run, &other).unwrap();
+        let e =
+            check_resources_unchanged(run, &meta(serde_json::json!({ "lora": bridge("bb", 0.6) })))
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("`lora`") && e.contains("summary differs"), "{e}");
+        // A resource the new plan does not read is not compared.
+        check_resources_unchanged(run, &meta(serde_json::json!({}))).unwrap();
     }
 }

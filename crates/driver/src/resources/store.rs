@@ -137,10 +137,11 @@ impl Store {
         }
     }
 
-    /// Saves a built value atomically (a temporary folder, then a rename).
-    /// A failed save leaves no temporary folder; when another process (a
-    /// shard) saved the same hash first, its copy is kept.
-    pub fn save(&self, value: &Value, meta: &Meta) -> Result<()> {
+    /// Saves a built value atomically (a temporary folder, then a rename)
+    /// and returns the sha256 of the value file as kept. A failed save
+    /// leaves no temporary folder; when another process (a shard) saved the
+    /// same hash first, its copy is kept and its checksum returned.
+    pub fn save(&self, value: &Value, meta: &Meta) -> Result<String> {
         let kind = meta.spec.kind();
         let dir = self.folder(kind.kind(), &meta.hash);
         std::fs::create_dir_all(&self.root)
@@ -151,6 +152,7 @@ impl Store {
             meta.hash,
             std::process::id()
         ));
+        let sha = std::cell::RefCell::new(String::new());
         let written = (|| -> Result<()> {
             if tmp.exists() {
                 std::fs::remove_dir_all(&tmp).map_err(io(format!("removing {}", tmp.display())))?;
@@ -160,6 +162,7 @@ impl Store {
             kind.save(value, &value_path)?;
             let mut meta = meta.clone();
             meta.value_sha256 = file_sha256(&value_path)?;
+            *sha.borrow_mut() = meta.value_sha256.clone();
             let text = serde_json::to_string_pretty(&meta).unwrap_or_default();
             std::fs::write(tmp.join("meta.json"), text)
                 .map_err(io(format!("writing {}", tmp.join("meta.json").display())))?;
@@ -176,9 +179,49 @@ impl Store {
             let _ = std::fs::remove_dir_all(&tmp);
             // Another shard may have saved the same hash meanwhile: keep it.
             if self.is_cached(kind.kind(), &meta.hash, &meta.model_sha256) {
-                return Ok(());
+                let theirs = std::fs::read_to_string(dir.join("meta.json"))
+                    .ok()
+                    .and_then(|t| serde_json::from_str::<Meta>(&t).ok())
+                    .map(|m| m.value_sha256)
+                    .unwrap_or_default();
+                return Ok(theirs);
             }
         }
-        written
+        written.map(|_| sha.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+    use std::collections::HashMap;
+
+    /// A value's checksum is what a resumed run compares: the file must be
+    /// the same bytes for the same tensors, whatever order the map that
+    /// holds them iterates in (each HashMap has its own random order).
+    #[test]
+    fn the_same_tensors_save_to_the_same_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let tensors = |k: usize| -> HashMap<String, Tensor> {
+            (0..40)
+                .map(|i| {
+                    let j = (i * 7 + k) % 40;
+                    (
+                        format!("t.{j}.a"),
+                        Tensor::arange(0f32, (j + 1) as f32, &Device::Cpu).unwrap(),
+                    )
+                })
+                .collect()
+        };
+        let (a, b) = (
+            dir.path().join("a.safetensors"),
+            dir.path().join("b.safetensors"),
+        );
+        candle_core::safetensors::save(&tensors(0), &a).unwrap();
+        candle_core::safetensors::save(&tensors(0), &b).unwrap();
+        assert_eq!(
+            super::file_sha256(&a).unwrap(),
+            super::file_sha256(&b).unwrap()
+        );
     }
 }
