@@ -347,11 +347,78 @@ fn construction_notes(rows: &[SummaryRow], meta: &serde_json::Value) -> Vec<Stri
         })
         .map(|r| r.arm.family.clone())
         .collect();
-    fams.into_iter()
+    let mut notes: Vec<String> = fams.into_iter()
         .map(|f| format!(
             "`{f}` writes the holder's states at fact-free common-prefix positions; the holder here is the receiver itself, whose states there equal its own on the masked passage (causal attention), so this control equals the floor by construction. The displaced control (the holder's fact-region states written at fact-free positions, `source_positions = \"fact_region\"`) is the sharper one."
         ))
-        .collect()
+        .collect();
+    // Arms that stopped short of their target cosine: a blend toward
+    // another item reaches that item's own state (weight 1) first when the
+    // two are already closer than the target.
+    for r in rows {
+        if let Some((target, got)) =
+            short_of_target(&r.arm.arm_json, r.arm.target_cosine, r.mean_achieved_cosine)
+        {
+            notes.push(format!(
+                "`{}` reached a mean achieved cosine of {got:.4} against its target {target}: on some items the transform could not go lower (a blend reaches its partner's own state, weight 1, first); the item rows' `achieved_cosine` says which, and plots place the arm at the cosine reached.",
+                r.arm.arm
+            ));
+        }
+    }
+    notes
+}
+
+/// A grid value as a position along a plot axis: numbers, numeric
+/// strings, and layer sets of one number (`prefix:8` is 8 layers,
+/// `suffix:12` starts at 12); `None` for a categorical value (a carrier).
+fn axis_value(v: &serde_json::Value) -> Option<f64> {
+    match v {
+        serde_json::Value::Number(n) => n.as_f64(),
+        serde_json::Value::String(s) => s.parse::<f64>().ok().or_else(|| {
+            s.strip_prefix("prefix:")
+                .or_else(|| s.strip_prefix("suffix:"))
+                .and_then(|n| n.parse().ok())
+        }),
+        _ => None,
+    }
+}
+
+/// The series of a point on a fidelity plot: its family, and the values
+/// of its categorical grid axes (`noise @carrier=k`); numeric axes move the
+/// point along x and do not split series.
+fn categorical_series(family: &str, pt: &BTreeMap<String, serde_json::Value>) -> String {
+    let cats: Vec<String> = pt
+        .iter()
+        .filter(|(_, v)| axis_value(v).is_none())
+        .map(|(k, v)| {
+            format!(
+                "{k}={}",
+                v.as_str()
+                    .map(String::from)
+                    .unwrap_or_else(|| v.to_string())
+            )
+        })
+        .collect();
+    if cats.is_empty() {
+        family.to_string()
+    } else {
+        format!("{family} @{}", cats.join(","))
+    }
+}
+
+/// An arm's (target, achieved) cosine where the achieved one is more than
+/// 0.005 above its target: a perturbation's `target_cosine`, or the first
+/// injection's `blend.target_cosine` in its JSON.
+fn short_of_target(
+    arm_json: &str,
+    perturb_target: Option<f64>,
+    achieved: Option<f64>,
+) -> Option<(f64, f64)> {
+    let blend_target = serde_json::from_str::<serde_json::Value>(arm_json)
+        .ok()
+        .and_then(|a| a["inject"][0]["blend"]["target_cosine"].as_f64());
+    let (target, got) = (perturb_target.or(blend_target)?, achieved?);
+    (got - target > 0.005).then_some((target, got))
 }
 
 /// One plot per numeric grid axis (a series per family and per value of
@@ -368,18 +435,8 @@ fn plot_axes(
     for r in rows {
         let pt = point(r);
         for (k, v) in &pt {
-            // Numbers, and layer sets of one number (`prefix:8` is 8 layers,
-            // `suffix:12` starts at 12), are plotted along their axis.
-            let x = match v {
-                serde_json::Value::Number(n) => n.as_f64(),
-                serde_json::Value::String(s) => s.parse::<f64>().ok().or_else(|| {
-                    s.strip_prefix("prefix:")
-                        .or_else(|| s.strip_prefix("suffix:"))
-                        .and_then(|n| n.parse().ok())
-                }),
-                _ => None,
-            };
-            let Some(x) = x else { continue };
+            // Numeric values are plotted along their axis.
+            let Some(x) = axis_value(v) else { continue };
             let others: Vec<String> = pt
                 .iter()
                 .filter(|(o, _)| *o != k)
@@ -434,10 +491,15 @@ fn plot_axes(
             // transform reached (noise and genuine interpolation on one axis).
             ("achieved cosine", |r: &SummaryRow| r.mean_achieved_cosine),
         ] {
+            // A series per family and per value of its categorical grid
+            // axes (the carrier): numeric axes (a target cosine, a layer)
+            // are what moves a point along this x axis.
             let mut fams: Families = BTreeMap::new();
             for r in &fidelity {
                 if let Some(x) = get(r) {
-                    fams.entry(r.arm.family.clone()).or_default().push((x, *r));
+                    fams.entry(categorical_series(&r.arm.family, &point(r)))
+                        .or_default()
+                        .push((x, *r));
                 }
             }
             if fams.values().map(|v| v.len()).sum::<usize>() < 3 {
@@ -522,4 +584,52 @@ fn draw(
         .draw()?;
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fidelity_series_split_by_carrier_not_by_target() {
+        let pt = |v: serde_json::Value| -> BTreeMap<String, serde_json::Value> {
+            serde_json::from_value(v).unwrap()
+        };
+        let a = categorical_series(
+            "noise",
+            &pt(serde_json::json!({ "carrier": "k", "perturb.target_cosine": 0.99 })),
+        );
+        let b = categorical_series(
+            "noise",
+            &pt(serde_json::json!({ "carrier": "k", "perturb.target_cosine": 0.9 })),
+        );
+        let c = categorical_series(
+            "noise",
+            &pt(serde_json::json!({ "carrier": "kv", "perturb.target_cosine": 0.9 })),
+        );
+        assert_eq!(a, "noise @carrier=k");
+        assert_eq!(a, b);
+        assert_ne!(b, c);
+        // Layer sets and numbers are positions, not series.
+        assert_eq!(
+            categorical_series("budget", &pt(serde_json::json!({ "layers": "prefix:3" }))),
+            "budget"
+        );
+        assert_eq!(categorical_series("x", &BTreeMap::new()), "x");
+        assert_eq!(axis_value(&serde_json::json!("suffix:12")), Some(12.0));
+        assert_eq!(axis_value(&serde_json::json!("k")), None);
+    }
+
+    #[test]
+    fn an_arm_short_of_its_target_cosine_is_named() {
+        let blend = r#"{"inject":[{"blend":{"toward":"other_item","target_cosine":0.8}}]}"#;
+        assert_eq!(short_of_target(blend, None, Some(0.86)), Some((0.8, 0.86)));
+        assert_eq!(short_of_target(blend, None, Some(0.802)), None);
+        assert_eq!(
+            short_of_target("{}", Some(0.9), Some(0.95)),
+            Some((0.9, 0.95))
+        );
+        assert_eq!(short_of_target("{}", None, Some(0.95)), None);
+        assert_eq!(short_of_target(blend, None, None), None);
+    }
 }
