@@ -25,6 +25,8 @@ pub struct Measures {
     pub fidelity_cosine: Option<f64>,
     /// Mean cosine of transformed to untransformed source at the sites.
     pub achieved_cosine: Option<f64>,
+    /// The same per layer and tensor, by hook point.
+    pub achieved_at: Vec<(String, f64)>,
     /// Mean attention-logit correlation (question queries against the
     /// injected versus the native keys at the sites).
     pub logit_correlation: Option<f64>,
@@ -116,7 +118,7 @@ fn source_value(
     program: &ArmProgram,
     cx: &ItemCx,
     fit_to: Option<&Pass>,
-    achieved: &mut Vec<f64>,
+    achieved: &mut Vec<(String, f64)>,
 ) -> Result<(CarrierValue, Vec<usize>, Geometry)> {
     let g = &cx.passes.geometry;
     let (mut value, sg) = step.source.provide(
@@ -346,7 +348,8 @@ pub fn prepare(program: &ArmProgram, cx: &ItemCx) -> Result<Prepared> {
         cache,
         measures: Measures {
             fidelity_cosine: mean(&fid),
-            achieved_cosine: mean(&ach),
+            achieved_cosine: mean(&ach.iter().map(|(_, c)| *c).collect::<Vec<f64>>()),
+            achieved_at: ach,
             logit_correlation: mean(&corr),
             n_sites,
         },

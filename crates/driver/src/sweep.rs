@@ -1103,6 +1103,7 @@ fn item_rows(
             native_correct,
             fidelity_cosine: o.measures.fidelity_cosine,
             achieved_cosine: o.measures.achieved_cosine,
+            achieved_at: records::columns::PerSite(o.measures.achieved_at.clone()),
             logit_correlation: o.measures.logit_correlation,
             bit_exact: o.bit_exact,
             seconds: o.seconds,

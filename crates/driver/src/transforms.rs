@@ -77,8 +77,22 @@ pub struct TransformCx<'a> {
 }
 
 /// What a transform measured: the cosine of its output to its input at the
-/// sites, once per layer (and per keys / values).
-pub type Achieved = Vec<f64>;
+/// sites, once per layer and tensor, named by the hook point it acts at
+/// (`blocks.{l}.attn.hook_rot_k`, `blocks.{l}.attn.hook_v`,
+/// `blocks.{l}.hook_resid_pre`).
+pub type Achieved = Vec<(String, f64)>;
+
+/// The hook point of layer `l`'s keys (`which` = 1), values (2) or
+/// residual stream (0), as [`Achieved`] names it.
+fn site_name(l: usize, which: u64) -> String {
+    use tolerable_runtime::HookPoint;
+    match which {
+        1 => HookPoint::RotK(l),
+        2 => HookPoint::V(l),
+        _ => HookPoint::ResidPre(l),
+    }
+    .to_string()
+}
 
 /// One step of the chain between source and mechanism.
 pub trait Transform: fmt::Debug + Send + Sync {
@@ -128,7 +142,7 @@ impl Transform for Perturb {
                     let mask = site_mask(src.dims(), Some((1, cx.sites)), None, src.device())?;
                     let pert = self.0.apply(src, Some(&mask), (cx.seed_of)(l, 0))?;
                     if !cx.sites.is_empty() {
-                        ach.push(site_cosine(&pert, src, 1, cx.sites)?);
+                        ach.push((site_name(l, 0), site_cosine(&pert, src, 1, cx.sites)?));
                     }
                     m.insert(l, pert);
                 }
@@ -157,7 +171,7 @@ impl Transform for Perturb {
                                 Some(h) => (select_heads(&out, h)?, select_heads(t, h)?),
                                 None => (out.clone(), t.clone()),
                             };
-                            ach.push(site_cosine(&o, &r, 2, &live)?);
+                            ach.push((site_name(l, which), site_cosine(&o, &r, 2, &live)?));
                         }
                         Ok(out)
                     };
@@ -366,7 +380,7 @@ fn map_keys(
         let kv = c.require_layer(l)?.clone();
         let (k, cos) = per_layer(l, &kv.k)?;
         if !cos.is_empty() {
-            ach.push(cos.iter().sum::<f64>() / cos.len() as f64);
+            ach.push((site_name(l, 1), cos.iter().sum::<f64>() / cos.len() as f64));
         }
         c.set_layer(l, k, kv.v)?;
     }
@@ -612,7 +626,7 @@ impl Transform for BlendToward {
                         DriverError::Records(format!("internal: no residual at layer {l}"))
                     })?;
                     let (out, cos) = self.blend(x, other.resid(l)?, 1, cx.sites, None)?;
-                    ach.extend(cos);
+                    ach.extend(cos.map(|c| (site_name(l, 0), c)));
                     m.insert(l, out);
                 }
                 Ok((CarrierValue::Resid(m), ach))
@@ -623,14 +637,14 @@ impl Transform for BlendToward {
                     let (kv, ov) = (c.require_layer(l)?.clone(), o.require_layer(l)?);
                     let k = if cx.carrier.has_k() {
                         let (t, cos) = self.blend(&kv.k, &ov.k, 2, cx.sites, cx.heads)?;
-                        ach.extend(cos);
+                        ach.extend(cos.map(|c| (site_name(l, 1), c)));
                         t
                     } else {
                         kv.k.clone()
                     };
                     let v = if cx.carrier.has_v() {
                         let (t, cos) = self.blend(&kv.v, &ov.v, 2, cx.sites, cx.heads)?;
-                        ach.extend(cos);
+                        ach.extend(cos.map(|c| (site_name(l, 2), c)));
                         t
                     } else {
                         kv.v.clone()

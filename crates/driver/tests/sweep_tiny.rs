@@ -232,6 +232,26 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
         .collect();
     assert_eq!(noisy.len(), 5);
     assert!(noisy.iter().all(|c| (c - 0.9).abs() < 1e-3), "{noisy:?}");
+    // ... at every layer's keys, logged per layer (hook names) and item.
+    let sites = col(&names, &all, "achieved_at_sites");
+    let values = col(&names, &all, "achieved_at_values");
+    let n_layers = 3;
+    for ((a, s), v) in arm.iter().zip(&sites).zip(&values) {
+        if a != "k_noise" {
+            continue;
+        }
+        for l in 0..n_layers {
+            assert!(s.contains(&format!("blocks.{l}.attn.hook_rot_k")), "{s}");
+        }
+        assert!(!s.contains("hook_v"), "{s}");
+        let xs: Vec<f64> = v
+            .trim_matches(|c| c == '[' || c == ']')
+            .split(',')
+            .map(|x| x.trim().parse().unwrap())
+            .collect();
+        assert_eq!(xs.len(), n_layers, "{v}");
+        assert!(xs.iter().all(|c| (c - 0.9).abs() < 1e-3), "{v}");
+    }
 
     let (snames, srows) = rows(&out.join("summary.parquet"));
     for want in [

@@ -163,6 +163,89 @@ leaf!(
     }
 );
 
+/// Values measured per injection site: the site's hook name
+/// (`blocks.3.attn.hook_rot_k`, `blocks.3.attn.hook_v`,
+/// `blocks.3.hook_resid_pre`) and the value there. A field `x` of this type
+/// is two list columns, `x_sites` and `x_values`, read as empty lists from a
+/// table written before they existed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PerSite(pub Vec<(String, f64)>);
+
+impl Columns for PerSite {
+    fn schema(name: &'static str, doc: &'static str) -> Vec<(&'static str, &'static str, String)> {
+        let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+        vec![
+            (
+                leak(format!("{name}_sites")),
+                "list<string>",
+                format!("{} The sites, as hook names.", doc.trim()),
+            ),
+            (
+                leak(format!("{name}_values")),
+                "list<double>",
+                "The values at those sites, in the same order.".to_string(),
+            ),
+        ]
+    }
+
+    fn columns(name: &'static str, values: Vec<Self>) -> Vec<Column> {
+        let sites: Vec<Series> = values
+            .iter()
+            .map(|v| {
+                Series::new(
+                    "".into(),
+                    v.0.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        let vals: Vec<Series> = values
+            .iter()
+            .map(|v| Series::new("".into(), v.0.iter().map(|(_, x)| *x).collect::<Vec<f64>>()))
+            .collect();
+        vec![
+            Column::new(format!("{name}_sites").into(), sites),
+            Column::new(format!("{name}_values").into(), vals),
+        ]
+    }
+
+    fn read(df: &DataFrame, name: &'static str) -> Result<Vec<Self>> {
+        let (sn, vn) = (format!("{name}_sites"), format!("{name}_values"));
+        let (Ok(sc), Ok(vc)) = (df.column(&sn), df.column(&vn)) else {
+            return Ok(vec![PerSite::default(); df.height()]);
+        };
+        typed(
+            &sn,
+            (|| -> PolarsResult<Vec<Self>> {
+                let (sl, vl) = (sc.list()?, vc.list()?);
+                let mut out = Vec::with_capacity(sl.len());
+                for i in 0..sl.len() {
+                    let names: Vec<String> = match sl.get_as_series(i) {
+                        Some(s) => s
+                            .str()?
+                            .iter()
+                            .map(|v| required(v, &sn).map(String::from))
+                            .collect::<PolarsResult<_>>()?,
+                        None => Vec::new(),
+                    };
+                    let xs: Vec<f64> = match vl.get_as_series(i) {
+                        Some(s) => s
+                            .f64()?
+                            .iter()
+                            .map(|v| required(v, &vn))
+                            .collect::<PolarsResult<_>>()?,
+                        None => Vec::new(),
+                    };
+                    if names.len() != xs.len() {
+                        polars_bail!(ComputeError: "row {i}: {} sites and {} values", names.len(), xs.len());
+                    }
+                    out.push(PerSite(names.into_iter().zip(xs).collect()));
+                }
+                Ok(out)
+            })(),
+        )
+    }
+}
+
 /// Declares a record: the struct, and its [`Columns`] implementation in
 /// field order. Every field has a doc comment, which is the column's
 /// documented meaning; a field whose type is itself a record contributes

@@ -131,6 +131,8 @@ record! {
         pub fidelity_cosine: Option<f64>,
         /// Mean cosine of the transformed to the untransformed source at the sites (perturbations, bank and codebook substitutes).
         pub achieved_cosine: Option<f64>,
+        /// The achieved cosine per injected layer and tensor (keys, values or residual), where a transform measured it.
+        pub achieved_at: columns::PerSite,
         /// Mean attention-logit correlation: question queries (read over the native cache) against the injected versus the native keys at the sites.
         pub logit_correlation: Option<f64>,
         /// The arm's bit-exact gate on this item (null without one); a false value stops the sweep before the cell is written.
@@ -292,7 +294,11 @@ mod tests {
             span_copy: false,
             native_correct: true,
             fidelity_cosine: Some(0.5),
-            achieved_cosine: None,
+            achieved_cosine: Some(0.9),
+            achieved_at: columns::PerSite(vec![
+                ("blocks.4.attn.hook_rot_k".into(), 0.8),
+                ("blocks.4.attn.hook_v".into(), 1.0),
+            ]),
             logit_correlation: None,
             bit_exact: Some(true),
             seconds: 0.25,
@@ -303,9 +309,17 @@ mod tests {
         assert_eq!(back, vec![row.clone(), row.clone()]);
         // A table from before a nullable column existed reads it as nulls;
         // a missing column that holds no nulls is an error naming it.
-        let older = read_parquet(&p).unwrap().drop("fidelity_cosine").unwrap();
+        let older = read_parquet(&p)
+            .unwrap()
+            .drop("fidelity_cosine")
+            .unwrap()
+            .drop("achieved_at_sites")
+            .unwrap()
+            .drop("achieved_at_values")
+            .unwrap();
         let back: Vec<ItemRow> = columns::rows(&older).unwrap();
         assert!(back.iter().all(|r| r.fidelity_cosine.is_none()));
+        assert!(back.iter().all(|r| r.achieved_at.0.is_empty()));
         assert_eq!(back[0].item_id, "x");
         let broken = read_parquet(&p).unwrap().drop("item_id").unwrap();
         let e = columns::rows::<ItemRow>(&broken).unwrap_err().to_string();

@@ -273,6 +273,7 @@ inject = { carrier = "h", layers = 1, source = "own" }
                     native_correct: i < 5,
                     fidelity_cosine: None,
                     achieved_cosine: None,
+                    achieved_at: Default::default(),
                     logit_correlation: None,
                     bit_exact: None,
                     seconds: 1.0,
