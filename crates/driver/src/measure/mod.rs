@@ -877,4 +877,39 @@ mod tests {
         assert_eq!(f.tokens(4, 4, 3), 0.0);
         assert_eq!(f.head(2), 2.0 * 80.0 * 2.0);
     }
+
+    /// The model against independent figures for the 0.5B: its projections
+    /// are 2 FLOPs per weight per token (14,909,440 weights a block, from
+    /// the checkpoint's matrix shapes: q/k/v 896x1152, o 896x896, gate/up
+    /// 896x9728, down 4864x896), and a 300-token prefill lies between that
+    /// alone (214.7 GFLOP) and the shared speed notes' 222.7 GFLOP, which
+    /// counts the attention products over the full square instead of the
+    /// causal triangle.
+    #[test]
+    fn the_flop_model_of_the_half_b_matches_its_weights_and_the_notes() {
+        let f = FlopModel {
+            d_model: 896,
+            n_heads: 14,
+            n_kv_heads: 2,
+            head_dim: 64,
+            d_ffn: 4864,
+            vocab: 151_936,
+            n_layers: 24,
+        };
+        let weights_per_block = 896.0 * 1152.0 + 896.0 * 896.0 + 896.0 * 9728.0 + 4864.0 * 896.0;
+        assert_eq!(weights_per_block, 14_909_440.0);
+        assert_eq!(f.projections(), 2.0 * weights_per_block);
+        let prefill = f.tokens(0, 300, 24) + f.head(1);
+        let matmuls = 2.0 * weights_per_block * 300.0 * 24.0;
+        let full_square = matmuls + 24.0 * 4.0 * 896.0 * 300.0 * 300.0 + f.head(1);
+        assert!(
+            (full_square / 1e9 - 222.7).abs() < 0.05,
+            "{}",
+            full_square / 1e9
+        );
+        assert!(prefill > matmuls && prefill < full_square, "{prefill}");
+        // The causal triangle: attention over (p + 1) keys at position p.
+        let causal = 24.0 * 4.0 * 896.0 * (300.0 * 301.0 / 2.0);
+        assert!((prefill - matmuls - causal - f.head(1)).abs() < 1.0);
+    }
 }
