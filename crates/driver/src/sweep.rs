@@ -313,6 +313,8 @@ pub struct ObtainedResource {
     /// rebuilt resource of the same spec hash that trained differently has
     /// another).
     pub value_sha256: String,
+    /// How the evaluation answers reach its training items.
+    pub eval_answers: crate::resources::AnswerMentions,
 }
 
 /// The sha256 a run's resource hashes use for its receiver: the hash
@@ -419,6 +421,7 @@ pub fn obtain_resources(
                 items: ids,
                 rejected,
                 value_sha256,
+                eval_answers: train.eval.answer_mentions(&r.items),
             },
         );
     }
@@ -448,6 +451,7 @@ pub(crate) fn resources_meta(
                     "rejected_cache": o.rejected,
                     "build_seconds": o.build_seconds,
                     "training_items": o.items,
+                    "eval_answers_in_training": o.eval_answers,
                     "summary": values
                         .get(name)
                         .map(|v| spec.kind().summary(v))
@@ -456,6 +460,19 @@ pub(crate) fn resources_meta(
             ))
         })
         .collect()
+}
+
+/// Whether a resource's recorded summary disagrees with a new one: every
+/// field the record holds must be equal (a summary may gain fields later);
+/// no record, no disagreement.
+fn summary_differs(was: &serde_json::Value, is: &serde_json::Value) -> bool {
+    match (was, is) {
+        (serde_json::Value::Null, _) => false,
+        (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+            a.iter().any(|(k, v)| b.get(k) != Some(v))
+        }
+        _ => was != is,
+    }
 }
 
 /// Refuses to add cells to a run whose finished cells read other resource
@@ -482,7 +499,7 @@ pub(crate) fn check_resources_unchanged(
         let differs = match (was["value_sha256"].as_str(), is["value_sha256"].as_str()) {
             (Some(a), Some(b)) if !a.is_empty() && !b.is_empty() => (a != b)
                 .then(|| format!("its value file's sha256 was {a}, is {b}")),
-            _ if !was["summary"].is_null() && was["summary"] != is["summary"] => Some(format!(
+            _ if summary_differs(&was["summary"], &is["summary"]) => Some(format!(
                 "the finished cells recorded no value checksum, and its summary differs (was {}, is {})",
                 was["summary"], is["summary"]
             )),
@@ -1207,6 +1224,12 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(e.contains("`lora`") && e.contains("summary differs"), "{e}");
+        // A field the record lacks (added to summaries later) is not compared.
+        check_resources_unchanged(
+            run,
+            &meta(serde_json::json!({ "lora": { "summary": { "curve": [0.5], "new": 1 } } })),
+        )
+        .unwrap();
         // A resource the new plan does not read is not compared.
         check_resources_unchanged(run, &meta(serde_json::json!({}))).unwrap();
     }

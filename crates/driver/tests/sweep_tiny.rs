@@ -2244,4 +2244,23 @@ fn an_answer_disjoint_bridge_trains_on_no_evaluation_answer() {
         .answers
         .iter()
         .any(|a| eval.answers.contains(&tolerable_probe::score::normalize(a)))));
+    // What run.json records of each: the disjoint set's gold answers miss
+    // every evaluation answer, the plain one's do not; passages and
+    // questions are counted where a whole-word answer occurs in them.
+    let (m, mp) = (eval.answer_mentions(&items), eval.answer_mentions(&p));
+    assert_eq!((m.items, m.gold), (8, 0));
+    assert!(mp.gold > 0, "{mp:?}");
+    let by_hand = |its: &[tolerable_probe::SplitItem]| {
+        its.iter()
+            .filter(|it| {
+                let t = format!(" {} ", tolerable_probe::score::normalize(&it.item.context));
+                eval.answers
+                    .iter()
+                    .any(|a| !a.is_empty() && t.contains(&format!(" {a} ")))
+            })
+            .count()
+    };
+    assert_eq!(m.passages, by_hand(&items));
+    assert_eq!(mp.passages, by_hand(&p));
+    assert!(mp.passages >= mp.gold.min(1), "{mp:?}");
 }

@@ -158,6 +158,52 @@ impl EvalSet {
                 .collect(),
         }
     }
+
+    /// How the evaluation answers reach `items` (a resource's training
+    /// items): whose gold answer is one (what an answer-disjoint set
+    /// excludes), and whose passage or question mentions one as whole
+    /// words (which no split here excludes), all normalised as SQuAD scores.
+    pub fn answer_mentions(&self, items: &[SplitItem]) -> AnswerMentions {
+        use tolerable_probe::score::normalize;
+        let answers: Vec<String> = self
+            .answers
+            .iter()
+            .filter(|a| !a.is_empty())
+            .map(|a| format!(" {a} "))
+            .collect();
+        let mentions = |text: &str| {
+            let t = format!(" {} ", normalize(text));
+            answers.iter().any(|a| t.contains(a.as_str()))
+        };
+        AnswerMentions {
+            items: items.len(),
+            gold: items
+                .iter()
+                .filter(|i| {
+                    i.item
+                        .answers
+                        .iter()
+                        .any(|a| self.answers.contains(&normalize(a)))
+                })
+                .count(),
+            passages: items.iter().filter(|i| mentions(&i.item.context)).count(),
+            questions: items.iter().filter(|i| mentions(&i.item.question)).count(),
+        }
+    }
+}
+
+/// Counts of a resource's training items that an evaluation answer
+/// reaches (see [`EvalSet::answer_mentions`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AnswerMentions {
+    /// Training items.
+    pub items: usize,
+    /// Items whose gold answer is an evaluation answer.
+    pub gold: usize,
+    /// Items whose passage mentions an evaluation answer.
+    pub passages: usize,
+    /// Items whose question mentions an evaluation answer.
+    pub questions: usize,
 }
 
 /// The behaviour of one resource kind: what it depends on, what it is
