@@ -359,8 +359,13 @@ fn construction_notes(rows: &[SummaryRow], meta: &serde_json::Value) -> Vec<Stri
         if let Some((target, got)) =
             short_of_target(&r.arm.arm_json, r.arm.target_cosine, r.mean_achieved_cosine)
         {
+            let why = if r.arm.target_cosine.is_some() {
+                "the perturbation did not reach it"
+            } else {
+                "a blend reaches its partner's own state (weight 1) first when the two are closer than the target"
+            };
             notes.push(format!(
-                "`{}` reached a mean achieved cosine of {got:.4} against its target {target}: on some items the transform could not go lower (a blend reaches its partner's own state, weight 1, first); the item rows' `achieved_cosine` says which, and plots place the arm at the cosine reached.",
+                "`{}` reached a mean achieved cosine of {got:.4} against its target {target}: on some items {why}; the item rows' `achieved_at_*` and `achieved_cosine` say where, and plots place the arm at the cosine reached.",
                 r.arm.arm
             ));
         }

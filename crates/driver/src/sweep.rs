@@ -463,15 +463,30 @@ pub(crate) fn resources_meta(
 }
 
 /// Whether a resource's recorded summary disagrees with a new one: every
-/// field the record holds must be equal (a summary may gain fields later);
-/// no record, no disagreement.
+/// field the record holds, at any depth, must be equal (a summary may gain
+/// fields later); no record, no disagreement. The new summary is compared
+/// as it would read back from `run.json` (written and parsed as JSON, as
+/// the record was), so a number that does not survive JSON exactly is not
+/// a difference.
 fn summary_differs(was: &serde_json::Value, is: &serde_json::Value) -> bool {
+    let is = serde_json::to_string(is)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .unwrap_or_else(|| is.clone());
+    !covered(was, &is)
+}
+
+/// Whether `is` holds every field of `was` with the same value (objects by
+/// key, arrays element by element, other values equal).
+fn covered(was: &serde_json::Value, is: &serde_json::Value) -> bool {
+    use serde_json::Value::*;
     match (was, is) {
-        (serde_json::Value::Null, _) => false,
-        (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
-            a.iter().any(|(k, v)| b.get(k) != Some(v))
-        }
-        _ => was != is,
+        (Null, _) => true,
+        (Object(a), Object(b)) => a
+            .iter()
+            .all(|(k, v)| b.get(k).is_some_and(|w| covered(v, w))),
+        (Array(a), Array(b)) => a.len() == b.len() && a.iter().zip(b).all(|(v, w)| covered(v, w)),
+        _ => was == is,
     }
 }
 
@@ -1224,7 +1239,29 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(e.contains("`lora`") && e.contains("summary differs"), "{e}");
-        // A field the record lacks (added to summaries later) is not compared.
+        // A number that does not survive JSON exactly (serde_json's parser
+        // without `float_roundtrip`) is compared as it reads back, so an
+        // identical retrain is not refused.
+        let inexact = (1..100_000u64)
+            .map(|i| 3.0 + i as f64 * 1.234_567_891_234_5e-7)
+            .find(|x| {
+                serde_json::from_str::<f64>(&serde_json::to_string(x).unwrap()).unwrap() != *x
+            });
+        if let Some(x) = inexact {
+            let rec = serde_json::json!({ "lora": { "summary": { "curve": [{ "loss": x }] } } });
+            let text = rec.to_string();
+            std::fs::write(run.join("run.json"), format!("{{\"resources\": {text}}}")).unwrap();
+            let now = serde_json::json!({ "lora": { "summary": { "curve": [{ "loss": x }] } } });
+            check_resources_unchanged(run, &meta(now)).unwrap();
+            write_run(serde_json::json!({ "lora": { "summary": { "curve": [0.5] } } }));
+        }
+        // A field the record lacks (added to summaries later), at any depth,
+        // is not compared.
+        check_resources_unchanged(
+            run,
+            &meta(serde_json::json!({ "lora": { "summary": { "curve": [0.5] } } })),
+        )
+        .unwrap();
         check_resources_unchanged(
             run,
             &meta(serde_json::json!({ "lora": { "summary": { "curve": [0.5], "new": 1 } } })),

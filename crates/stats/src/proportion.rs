@@ -228,10 +228,10 @@ mod tests {
         assert_eq!(mcnemar_exact(3, 3), 1.0);
         // 2 P(X <= 0), X ~ Bin(5, 1/2) = 2/32.
         assert!((mcnemar_exact(5, 0) - 0.0625).abs() < 1e-12);
-        // Large counts stay finite: 2 P(X <= 100), X ~ Bin(300, 1/2) is
-        // about 1.1e-8 (normal approximation with continuity: z = 5.72).
+        // Large counts stay exact: 2 P(X <= 100), X ~ Bin(300, 1/2) =
+        // 8.014875216538918e-9 (Python's math.comb, summed exactly).
         let p = mcnemar_exact(200, 100);
-        assert!(p > 1e-9 && p < 1e-7, "{p}");
+        assert!((p / 8.014_875_216_538_918e-9 - 1.0).abs() < 1e-9, "{p}");
         // Items: a right on 0..6, b right on 4..9 of 10.
         let a: Vec<bool> = (0..10).map(|i| i < 6).collect();
         let b: Vec<bool> = (0..10).map(|i| (4..9).contains(&i)).collect();

@@ -167,7 +167,7 @@ leaf!(
 /// (`blocks.3.attn.hook_rot_k`, `blocks.3.attn.hook_v`,
 /// `blocks.3.hook_resid_pre`) and the value there. A field `x` of this type
 /// is two list columns, `x_sites` and `x_values`, read as empty lists from a
-/// table written before they existed.
+/// table written before they existed (both absent; one alone is an error).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PerSite(pub Vec<(String, f64)>);
 
@@ -210,8 +210,14 @@ impl Columns for PerSite {
 
     fn read(df: &DataFrame, name: &'static str) -> Result<Vec<Self>> {
         let (sn, vn) = (format!("{name}_sites"), format!("{name}_values"));
-        let (Ok(sc), Ok(vc)) = (df.column(&sn), df.column(&vn)) else {
-            return Ok(vec![PerSite::default(); df.height()]);
+        let (sc, vc) = match (df.column(&sn), df.column(&vn)) {
+            (Ok(sc), Ok(vc)) => (sc, vc),
+            (Err(_), Err(_)) => return Ok(vec![PerSite::default(); df.height()]),
+            _ => {
+                return Err(DriverError::Records(format!(
+                    "`{sn}` and `{vn}` go together; the table holds only one"
+                )))
+            }
         };
         typed(
             &sn,

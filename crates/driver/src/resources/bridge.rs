@@ -778,13 +778,10 @@ impl ResourceKind for BridgeSpec {
 
     fn training_items(&self, cx: &TrainCx) -> Result<Vec<SplitItem>> {
         let n = self.train_items + self.slice_items;
-        let eval = &cx.eval.answers;
         let mut draw = |k: usize| {
             if self.answer_disjoint {
                 super::sample_training_where(cx, self.data, k, self.seed, &|it| {
-                    !it.answers
-                        .iter()
-                        .any(|a| eval.contains(&tolerable_probe::score::normalize(a)))
+                    !cx.eval.shares_gold(it)
                 })
             } else {
                 sample_training(cx, self.data, k, self.seed)

@@ -159,6 +159,14 @@ impl EvalSet {
         }
     }
 
+    /// Whether a gold answer of `item` is an evaluation answer (normalised
+    /// as SQuAD scores): what an answer-disjoint training set excludes.
+    pub fn shares_gold(&self, item: &tolerable_probe::QaItem) -> bool {
+        item.answers
+            .iter()
+            .any(|a| self.answers.contains(&tolerable_probe::score::normalize(a)))
+    }
+
     /// How the evaluation answers reach `items` (a resource's training
     /// items): whose gold answer is one (what an answer-disjoint set
     /// excludes), and whose passage or question mentions one as whole
@@ -177,15 +185,7 @@ impl EvalSet {
         };
         AnswerMentions {
             items: items.len(),
-            gold: items
-                .iter()
-                .filter(|i| {
-                    i.item
-                        .answers
-                        .iter()
-                        .any(|a| self.answers.contains(&normalize(a)))
-                })
-                .count(),
+            gold: items.iter().filter(|i| self.shares_gold(&i.item)).count(),
             passages: items.iter().filter(|i| mentions(&i.item.context)).count(),
             questions: items.iter().filter(|i| mentions(&i.item.question)).count(),
         }

@@ -138,9 +138,9 @@ impl Store {
     }
 
     /// Saves a built value atomically (a temporary folder, then a rename)
-    /// and returns the sha256 of the value file as kept. A failed save
-    /// leaves no temporary folder; when another process (a shard) saved the
-    /// same hash first, its copy is kept and its checksum returned.
+    /// and returns the sha256 of its value file. A failed save leaves no
+    /// temporary folder; when another process (a shard) saved the same hash
+    /// first, its copy is kept (and this value's checksum still returned).
     pub fn save(&self, value: &Value, meta: &Meta) -> Result<String> {
         let kind = meta.spec.kind();
         let dir = self.folder(kind.kind(), &meta.hash);
@@ -177,14 +177,12 @@ impl Store {
         })();
         if written.is_err() {
             let _ = std::fs::remove_dir_all(&tmp);
-            // Another shard may have saved the same hash meanwhile: keep it.
-            if self.is_cached(kind.kind(), &meta.hash, &meta.model_sha256) {
-                let theirs = std::fs::read_to_string(dir.join("meta.json"))
-                    .ok()
-                    .and_then(|t| serde_json::from_str::<Meta>(&t).ok())
-                    .map(|m| m.value_sha256)
-                    .unwrap_or_default();
-                return Ok(theirs);
+            // Another shard may have saved the same hash meanwhile: keep its
+            // copy, and report the checksum of the value this process built
+            // and reads (when it got as far as writing it).
+            let ours = sha.borrow().clone();
+            if !ours.is_empty() && self.is_cached(kind.kind(), &meta.hash, &meta.model_sha256) {
+                return Ok(ours);
             }
         }
         written.map(|_| sha.into_inner())
