@@ -392,9 +392,15 @@ fn axis_value(v: &serde_json::Value) -> Option<f64> {
 /// of its categorical grid axes (`noise @carrier=k`); numeric axes move the
 /// point along x and do not split series.
 fn categorical_series(family: &str, pt: &BTreeMap<String, serde_json::Value>) -> String {
-    let cats: Vec<String> = pt
-        .iter()
-        .filter(|(_, v)| axis_value(v).is_none())
+    series_label(family, pt.iter().filter(|(_, v)| axis_value(v).is_none()))
+}
+
+/// A series label: the family, then `key=value` of the grid values given.
+fn series_label<'a>(
+    family: &str,
+    values: impl Iterator<Item = (&'a String, &'a serde_json::Value)>,
+) -> String {
+    let parts: Vec<String> = values
         .map(|(k, v)| {
             format!(
                 "{k}={}",
@@ -404,10 +410,10 @@ fn categorical_series(family: &str, pt: &BTreeMap<String, serde_json::Value>) ->
             )
         })
         .collect();
-    if cats.is_empty() {
+    if parts.is_empty() {
         family.to_string()
     } else {
-        format!("{family} @{}", cats.join(","))
+        format!("{family} @{}", parts.join(","))
     }
 }
 
@@ -442,23 +448,7 @@ fn plot_axes(
         for (k, v) in &pt {
             // Numeric values are plotted along their axis.
             let Some(x) = axis_value(v) else { continue };
-            let others: Vec<String> = pt
-                .iter()
-                .filter(|(o, _)| *o != k)
-                .map(|(o, w)| {
-                    format!(
-                        "{o}={}",
-                        w.as_str()
-                            .map(String::from)
-                            .unwrap_or_else(|| w.to_string())
-                    )
-                })
-                .collect();
-            let series = if others.is_empty() {
-                r.arm.family.clone()
-            } else {
-                format!("{} @{}", r.arm.family, others.join(","))
-            };
+            let series = series_label(&r.arm.family, pt.iter().filter(|(o, _)| *o != k));
             axes.entry(k.clone())
                 .or_default()
                 .entry(series)

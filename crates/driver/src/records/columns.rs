@@ -32,9 +32,10 @@ fn required<T>(x: Option<T>, name: &str) -> PolarsResult<T> {
 }
 
 macro_rules! leaf {
-    // A nullable column that an older table lacks reads as nulls: columns
-    // added to a record later are nullable, so earlier runs stay readable.
-    (nullable $ty:ty, $arrow:literal, |$n:ident, $v:ident| $make:expr, |$c:ident| $read:expr) => {
+    // `absent`: the value of every row when an older table lacks the column
+    // (nullable columns, added later, read as nulls); without it a missing
+    // column is an error naming it.
+    ($ty:ty, $arrow:literal, |$n:ident, $v:ident| $make:expr, |$c:ident| $read:expr $(, absent = $absent:expr)?) => {
         impl Columns for $ty {
             fn schema(
                 name: &'static str,
@@ -46,25 +47,11 @@ macro_rules! leaf {
                 vec![$make]
             }
             fn read(df: &DataFrame, name: &'static str) -> Result<Vec<Self>> {
-                let Ok($c) = df.column(name) else {
-                    return Ok(vec![None; df.height()]);
-                };
-                typed(name, (|| -> PolarsResult<Vec<Self>> { Ok($read) })())
-            }
-        }
-    };
-    ($ty:ty, $arrow:literal, |$n:ident, $v:ident| $make:expr, |$c:ident| $read:expr) => {
-        impl Columns for $ty {
-            fn schema(
-                name: &'static str,
-                doc: &'static str,
-            ) -> Vec<(&'static str, &'static str, String)> {
-                vec![(name, $arrow, doc.trim().to_string())]
-            }
-            fn columns($n: &'static str, $v: Vec<Self>) -> Vec<Column> {
-                vec![$make]
-            }
-            fn read(df: &DataFrame, name: &'static str) -> Result<Vec<Self>> {
+                $(
+                    if df.column(name).is_err() {
+                        return Ok(vec![$absent; df.height()]);
+                    }
+                )?
                 let $c = col(df, name)?;
                 typed(name, (|| -> PolarsResult<Vec<Self>> { Ok($read) })())
             }
@@ -78,10 +65,11 @@ leaf!(String, "string", |n, v| Column::new(n.into(), v), |c| c
     .map(|x| required(x, c.name()).map(String::from))
     .collect::<PolarsResult<_>>()?);
 leaf!(
-    nullable Option<String>,
+    Option<String>,
     "string (nullable)",
     |n, v| Column::new(n.into(), v),
-    |c| c.str()?.iter().map(|x| x.map(String::from)).collect()
+    |c| c.str()?.iter().map(|x| x.map(String::from)).collect(),
+    absent = None
 );
 leaf!(i64, "int64", |n, v| Column::new(n.into(), v), |c| c
     .i64()?
@@ -89,10 +77,11 @@ leaf!(i64, "int64", |n, v| Column::new(n.into(), v), |c| c
     .map(|x| required(x, c.name()))
     .collect::<PolarsResult<_>>()?);
 leaf!(
-    nullable Option<i64>,
+    Option<i64>,
     "int64 (nullable)",
     |n, v| Column::new(n.into(), v),
-    |c| c.i64()?.iter().collect()
+    |c| c.i64()?.iter().collect(),
+    absent = None
 );
 leaf!(f64, "double", |n, v| Column::new(n.into(), v), |c| c
     .f64()?
@@ -100,10 +89,11 @@ leaf!(f64, "double", |n, v| Column::new(n.into(), v), |c| c
     .map(|x| required(x, c.name()))
     .collect::<PolarsResult<_>>()?);
 leaf!(
-    nullable Option<f64>,
+    Option<f64>,
     "double (nullable)",
     |n, v| Column::new(n.into(), v),
-    |c| c.f64()?.iter().collect()
+    |c| c.f64()?.iter().collect(),
+    absent = None
 );
 leaf!(bool, "bool", |n, v| Column::new(n.into(), v), |c| c
     .bool()?
@@ -111,10 +101,11 @@ leaf!(bool, "bool", |n, v| Column::new(n.into(), v), |c| c
     .map(|x| required(x, c.name()))
     .collect::<PolarsResult<_>>()?);
 leaf!(
-    nullable Option<bool>,
+    Option<bool>,
     "bool (nullable)",
     |n, v| Column::new(n.into(), v),
-    |c| c.bool()?.iter().collect()
+    |c| c.bool()?.iter().collect(),
+    absent = None
 );
 leaf!(
     Vec<u32>,
