@@ -24,6 +24,7 @@ use tolerable_carrier::codebook::Snapping;
 use tolerable_carrier::fidelity::{select_heads, site_cosine, vector_cosine};
 use tolerable_carrier::{Carrier, Geometry, Perturbation, Positions};
 use tolerable_runtime::hooks::site_mask;
+use tolerable_runtime::HookPoint;
 
 /// Work shared by the arms of one item (e.g. a bank's neighbours of the
 /// true keys, computed once for every k), keyed by a description of it.
@@ -82,18 +83,6 @@ pub struct TransformCx<'a> {
 /// `blocks.{l}.hook_resid_pre`).
 pub type Achieved = Vec<(String, f64)>;
 
-/// The hook point of layer `l`'s keys (`which` = 1), values (2) or
-/// residual stream (0), as [`Achieved`] names it.
-fn site_name(l: usize, which: u64) -> String {
-    use tolerable_runtime::HookPoint;
-    match which {
-        1 => HookPoint::RotK(l),
-        2 => HookPoint::V(l),
-        _ => HookPoint::ResidPre(l),
-    }
-    .to_string()
-}
-
 /// One step of the chain between source and mechanism.
 pub trait Transform: fmt::Debug + Send + Sync {
     /// Name in plans and records.
@@ -142,7 +131,10 @@ impl Transform for Perturb {
                     let mask = site_mask(src.dims(), Some((1, cx.sites)), None, src.device())?;
                     let pert = self.0.apply(src, Some(&mask), (cx.seed_of)(l, 0))?;
                     if !cx.sites.is_empty() {
-                        ach.push((site_name(l, 0), site_cosine(&pert, src, 1, cx.sites)?));
+                        ach.push((
+                            HookPoint::ResidPre(l).to_string(),
+                            site_cosine(&pert, src, 1, cx.sites)?,
+                        ));
                     }
                     m.insert(l, pert);
                 }
@@ -151,7 +143,7 @@ impl Transform for Perturb {
             CarrierValue::Kv(mut src) => {
                 for &l in cx.layers {
                     let kv = src.require_layer(l)?.clone();
-                    let mut one = |t: &Tensor, which: u64| -> Result<Tensor> {
+                    let mut one = |t: &Tensor, which: u64, site: HookPoint| -> Result<Tensor> {
                         let live: Vec<usize> = cx
                             .sites
                             .iter()
@@ -171,17 +163,17 @@ impl Transform for Perturb {
                                 Some(h) => (select_heads(&out, h)?, select_heads(t, h)?),
                                 None => (out.clone(), t.clone()),
                             };
-                            ach.push((site_name(l, which), site_cosine(&o, &r, 2, &live)?));
+                            ach.push((site.to_string(), site_cosine(&o, &r, 2, &live)?));
                         }
                         Ok(out)
                     };
                     let k = if cx.carrier.has_k() {
-                        one(&kv.k, 1)?
+                        one(&kv.k, 1, HookPoint::RotK(l))?
                     } else {
                         kv.k.clone()
                     };
                     let v = if cx.carrier.has_v() {
-                        one(&kv.v, 2)?
+                        one(&kv.v, 2, HookPoint::V(l))?
                     } else {
                         kv.v.clone()
                     };
@@ -380,7 +372,10 @@ fn map_keys(
         let kv = c.require_layer(l)?.clone();
         let (k, cos) = per_layer(l, &kv.k)?;
         if !cos.is_empty() {
-            ach.push((site_name(l, 1), cos.iter().sum::<f64>() / cos.len() as f64));
+            ach.push((
+                HookPoint::RotK(l).to_string(),
+                cos.iter().sum::<f64>() / cos.len() as f64,
+            ));
         }
         c.set_layer(l, k, kv.v)?;
     }
@@ -499,8 +494,9 @@ pub enum BlendBy {
     Alpha(f64),
     /// By the weight at which the blend's cosine to the source, flattened
     /// over the sites (and heads) of one layer's keys or values, reaches a
-    /// target (found by bisection on [0, 1]; clamped to 1 when even the
-    /// other state itself is closer than the target).
+    /// target (found by bisection on [0, 1]; 1 when even the other state
+    /// itself is closer than the target, so the achieved cosine stays above
+    /// it; 0 for a target of 1, the source as it is).
     Cosine(f64),
 }
 
@@ -582,6 +578,9 @@ impl BlendToward {
         let ys: Vec<f32> = y.flatten_all()?.to_vec1()?;
         let a = match self.by {
             BlendBy::Alpha(a) => a,
+            // A target of 1 is the source itself (bisection would stop a
+            // rounding step away from it).
+            BlendBy::Cosine(target) if target >= 1.0 => 0.0,
             BlendBy::Cosine(target) => {
                 let at = |a: f64| masked_cosine(&blend_at(&xs, &ys, &mask, a), &xs, &mask);
                 if at(1.0) >= target {
@@ -626,7 +625,7 @@ impl Transform for BlendToward {
                         DriverError::Records(format!("internal: no residual at layer {l}"))
                     })?;
                     let (out, cos) = self.blend(x, other.resid(l)?, 1, cx.sites, None)?;
-                    ach.extend(cos.map(|c| (site_name(l, 0), c)));
+                    ach.extend(cos.map(|c| (HookPoint::ResidPre(l).to_string(), c)));
                     m.insert(l, out);
                 }
                 Ok((CarrierValue::Resid(m), ach))
@@ -637,14 +636,14 @@ impl Transform for BlendToward {
                     let (kv, ov) = (c.require_layer(l)?.clone(), o.require_layer(l)?);
                     let k = if cx.carrier.has_k() {
                         let (t, cos) = self.blend(&kv.k, &ov.k, 2, cx.sites, cx.heads)?;
-                        ach.extend(cos.map(|c| (site_name(l, 1), c)));
+                        ach.extend(cos.map(|c| (HookPoint::RotK(l).to_string(), c)));
                         t
                     } else {
                         kv.k.clone()
                     };
                     let v = if cx.carrier.has_v() {
                         let (t, cos) = self.blend(&kv.v, &ov.v, 2, cx.sites, cx.heads)?;
-                        ach.extend(cos.map(|c| (site_name(l, 2), c)));
+                        ach.extend(cos.map(|c| (HookPoint::V(l).to_string(), c)));
                         t
                     } else {
                         kv.v.clone()
@@ -654,5 +653,66 @@ impl Transform for BlendToward {
                 Ok((CarrierValue::Kv(c), ach))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blend(by: BlendBy) -> BlendToward {
+        BlendToward {
+            toward: std::sync::Arc::new(crate::sources::PassSource::own()),
+            by,
+        }
+    }
+
+    /// Two sites of two coordinates: both e0 at site 0; at site 1, x = e0
+    /// and y = c e0 + sqrt(1 - c^2) e1, at cosine c to it.
+    fn pair(c: f64) -> (Tensor, Tensor) {
+        let s = (1.0 - c * c).sqrt();
+        let x = Tensor::from_vec(
+            vec![1f32, 0.0, 1.0, 0.0],
+            (1, 2, 2),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let y = Tensor::from_vec(
+            vec![1f32, 0.0, c as f32, s as f32],
+            (1, 2, 2),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        (x, y)
+    }
+
+    #[test]
+    fn a_blend_reaches_a_reachable_cosine_and_stops_at_the_other_state_below_it() {
+        // Site 1 only: x's row is e0 there, y's is at cosine -0.6 to it.
+        let (x, y) = pair(-0.6);
+        let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        // Reachable targets, including 0 and negative ones, are met.
+        for target in [0.9, 0.0, -0.5] {
+            let (out, cos) = blend(BlendBy::Cosine(target))
+                .blend(&x, &y, 1, &[1], None)
+                .unwrap();
+            let c = cos.unwrap();
+            assert!((c - target).abs() < 1e-6, "{target}: {c}");
+            // The unmasked site keeps x's values.
+            assert_eq!(&bits(&out)[..2], &[1.0, 0.0]);
+        }
+        // Below the other state's own cosine the blend is the other state,
+        // and the achieved cosine (above the target) says so.
+        let (out, cos) = blend(BlendBy::Cosine(-0.9))
+            .blend(&x, &y, 1, &[1], None)
+            .unwrap();
+        assert!((cos.unwrap() - -0.6).abs() < 1e-6);
+        assert_eq!(&bits(&out)[2..], &bits(&y)[2..]);
+        // A target of 1 leaves x as it was.
+        let (out, cos) = blend(BlendBy::Cosine(1.0))
+            .blend(&x, &y, 1, &[1], None)
+            .unwrap();
+        assert_eq!(bits(&out), bits(&x));
+        assert!((cos.unwrap() - 1.0).abs() < 1e-12);
     }
 }

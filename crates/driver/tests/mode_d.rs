@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use tolerable_driver::measure::mode_d::{
     self, mode_d_logits, pair_passes, ModeDSpec, PairGeometry, ORACLE_KL_TOLERANCE,
 };
-use tolerable_driver::measure::{self, LogitReference, MeasureConfig, MeasureOptions};
+use tolerable_driver::measure::{self, Comparison, LogitReference, MeasureConfig, MeasureOptions};
 use tolerable_driver::records::{columns, read_parquet, MeasureRow};
 use tolerable_probe::code::{pair::CodePairMeta, Archetype, CodePair, Language};
 use tolerable_probe::ContextPair;
@@ -260,6 +260,64 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
         serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
     assert_eq!(meta["invocations"].as_array().unwrap().len(), 2);
     assert_eq!(rows(&out.join("summary.parquet")), summary);
+
+    // An oracle file that records a failure (here written over by hand) is
+    // refused on the next invocation: the gate is recorded as failed and
+    // nothing already written is touched.
+    let oracle_dir = out.join("oracle");
+    let first = std::fs::read_dir(&oracle_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+        .min()
+        .unwrap();
+    let mut bad = rows(&first);
+    let k = bad.iter().position(|r| r.metric == "kl_mode_d").unwrap();
+    bad[k].value = 0.5;
+    measure::write_rows(bad, &first).unwrap();
+    let summary_before = std::fs::read(out.join("summary.parquet")).unwrap();
+    let e = measure::run(&cfg, &opts(&out)).unwrap_err().to_string();
+    assert!(
+        e.contains("above the tolerance") && e.contains("5.000e-1"),
+        "{e}"
+    );
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    assert_eq!(meta["oracle"]["status"], "failed");
+    assert_eq!(
+        std::fs::read(out.join("summary.parquet")).unwrap(),
+        summary_before
+    );
+    assert_eq!(unit_rows(&out, "units"), units);
+}
+
+/// The oracle gate's rule: every top-1 prediction agrees with the full
+/// recompute (ties aside) and the mean KL stays under the tolerance; a
+/// single disagreement or a KL at the tolerance fails it.
+#[test]
+fn the_oracle_gate_fails_on_one_disagreement_or_a_kl_at_the_tolerance() {
+    use tolerable_driver::measure::mode_d::oracle_passes;
+    let ok = Comparison {
+        n: 10,
+        agreement: 1.0,
+        ties: 0,
+        kl_mean: 1e-9,
+        kl_max: 1e-8,
+    };
+    assert!(oracle_passes(&ok));
+    assert!(oracle_passes(&Comparison {
+        agreement: 0.9,
+        ties: 1,
+        ..ok
+    }));
+    assert!(!oracle_passes(&Comparison {
+        agreement: 0.9,
+        ..ok
+    }));
+    assert!(!oracle_passes(&Comparison {
+        kl_mean: ORACLE_KL_TOLERANCE,
+        ..ok
+    }));
 }
 
 fn checkpoint(model: &Path) -> Checkpoint {
