@@ -715,6 +715,17 @@ base = "full"
 inject = {{ carrier = "k", layers = "prefix:2", positions = "passage", source = "native", perturb = {{ kind = "cosine_noise", target_cosine = 0.8 }} }}
 
 [[arms]]
+name = "budget_genuine"
+base = "full"
+inject = {{ carrier = "k", layers = "prefix:2", positions = "passage", source = {{ bank = {{ bank = "bank", cosine = 0.8 }} }} }}
+
+[resources.bank]
+kind = "key_bank"
+size = 16
+contexts = 2
+data = "synthetic"
+
+[[arms]]
 name = "pool_oracle"
 inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = {{ pool = {{ n = 3, router = "oracle" }} }}, mechanism = "add", alpha = 2.0 }}
 
@@ -751,7 +762,30 @@ inject = {{ carrier = "kv", positions = "passage", source = {{ pool = {{ n = 3, 
     )
     .unwrap();
     let set = tolerable_driver::items::ItemSet::new(items.items, 2, 3).unwrap();
-    let none = BTreeMap::new();
+    // A bank of random keys stands in for the genuine one: only where the
+    // layer budget writes is tested here (the bank's build is tested above).
+    let cfgm = ck.model.config();
+    let bank = tolerable_driver::resources::KeyBank {
+        keys: (0..cfgm.n_layers)
+            .map(|l| {
+                (0..cfgm.n_kv_heads)
+                    .map(|h| {
+                        candle_core::Tensor::randn(
+                            0f32,
+                            1f32,
+                            (16, cfgm.head_dim),
+                            &candle_core::Device::Cpu,
+                        )
+                        .unwrap()
+                        .affine(1.0 + (l * 7 + h) as f64 * 0.01, 0.0)
+                        .unwrap()
+                    })
+                    .collect()
+            })
+            .collect(),
+    };
+    let mut none: BTreeMap<String, tolerable_driver::resources::Value> = BTreeMap::new();
+    none.insert("bank".into(), std::sync::Arc::new(bank));
     let memo = Memo::default();
     let passes = item_passes(
         &ck.model,
@@ -832,18 +866,20 @@ inject = {{ carrier = "kv", positions = "passage", source = {{ pool = {{ n = 3, 
         );
         at += w.len();
     }
-    // The layer budget corrupts layers 0 and 1; every later layer is the native cache, bit for bit.
-    let budget = by("budget");
-    for l in 0..ck.model.config().n_layers {
-        let (a, b) = (
-            budget.cache.require_layer(l).unwrap(),
-            native.require_layer(l).unwrap(),
-        );
-        assert_eq!(bits(&a.v), bits(&b.v), "values of layer {l}");
-        if l >= 2 {
-            assert_eq!(bits(&a.k), bits(&b.k), "keys of layer {l}");
-        } else {
-            assert_ne!(bits(&a.k), bits(&b.k), "keys of layer {l}");
+    // The layer budget corrupts layers 0 and 1, off-manifold (noise) and
+    // on-manifold (bank keys); every later layer is the native cache, bit for bit.
+    for budget in [by("budget"), by("budget_genuine")] {
+        for l in 0..ck.model.config().n_layers {
+            let (a, b) = (
+                budget.cache.require_layer(l).unwrap(),
+                native.require_layer(l).unwrap(),
+            );
+            assert_eq!(bits(&a.v), bits(&b.v), "values of layer {l}");
+            if l >= 2 {
+                assert_eq!(bits(&a.k), bits(&b.k), "keys of layer {l}");
+            } else {
+                assert_ne!(bits(&a.k), bits(&b.k), "keys of layer {l}");
+            }
         }
     }
 }
@@ -958,6 +994,54 @@ inject = {{ carrier = "h", layers = 1, positions = "fact_region", source = "hold
     let e = bad("{ requantize = \"Q8_0\", weight_cosine = 0.9 }");
     assert!(e.contains("arms[0].holder"), "{e}");
     assert!(!dir.path().join("bad").exists());
+}
+
+/// A held-out sender that is not measurably distinct from its receiver, or
+/// whose values are not finite, fails its gates with the gate named: a
+/// receiver of zero weights re-quantizes exactly (zeros stay zeros), and one
+/// output weight of 1e30 overflows Q8_0's f16 block scale.
+#[test]
+fn a_sender_that_is_not_distinct_or_not_finite_fails_its_gates() {
+    use tolerable_driver::senders::{build, SenderSpec};
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let ck = tolerable_fetch::load(
+        model.to_str().unwrap(),
+        tolerable_runtime::Precision::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let prompt = [3u32, 1, 4, 1, 5, 9, 2, 6];
+    let q8 = SenderSpec::Requantize("Q8_0".into());
+    // The tiny receiver itself yields a sender that passes.
+    let (_, report) = build(&ck.model, &q8, &prompt).unwrap();
+    assert!(report.passed && report.distinct && report.finite);
+
+    let zero = ck
+        .model
+        .map_weights(&mut |_, w| Ok(w.zeros_like()?))
+        .unwrap();
+    let e = build(&zero, &q8, &prompt).unwrap_err().to_string();
+    assert!(
+        e.contains("Q8_0")
+            && e.contains("finite true, distinct false")
+            && e.contains("no eval item runs"),
+        "{e}"
+    );
+
+    let huge = ck
+        .model
+        .map_weights(&mut |name, w| {
+            if name != "output" {
+                return Ok(w.clone());
+            }
+            let mut v = w.flatten_all()?.to_vec1::<f32>()?;
+            v[0] = 1e30;
+            Ok(candle_core::Tensor::from_vec(v, w.dims(), w.device())?)
+        })
+        .unwrap();
+    let e = build(&huge, &q8, &prompt).unwrap_err().to_string();
+    assert!(e.contains("shape equal true, finite false"), "{e}");
 }
 
 fn fitted_config(dir: &Path, model: &Path) -> PathBuf {
@@ -2263,4 +2347,39 @@ fn an_answer_disjoint_bridge_trains_on_no_evaluation_answer() {
     assert_eq!(m.passages, by_hand(&items));
     assert_eq!(mp.passages, by_hand(&p));
     assert!(mp.passages >= mp.gold.min(1), "{mp:?}");
+
+    // The strict split (`answer_free`): let a word of one disjoint training
+    // passage, absent from another's, be an evaluation answer too; the
+    // disjoint set still holds a passage that mentions it, the answer-free
+    // set holds none, nor any gold answer or question that does.
+    let norm = |t: &str| tolerable_probe::score::normalize(t);
+    let other = format!(" {} ", norm(&items[1].item.context));
+    let word = norm(&items[0].item.context)
+        .split(' ')
+        .find(|w| !other.contains(&format!(" {w} ")))
+        .expect("a word of one passage absent from another")
+        .to_string();
+    let mut eval2 = eval.clone();
+    eval2.answers.insert(word.clone());
+    let cx2 = TrainCx { eval: &eval2, ..cx };
+    let strict: tolerable_driver::resources::BridgeSpec = toml::from_str(
+        "targets = \"q\"\ntrain_items = 6\nslice_items = 2\ndata = \"synthetic\"\nanswer_disjoint = true\nanswer_free = true\narm = { inject = [] }\n",
+    )
+    .unwrap();
+    let free = strict.training_items(&cx2).unwrap();
+    assert_eq!(free.len(), 8);
+    let mf = eval2.answer_mentions(&free);
+    assert_eq!(
+        (mf.gold, mf.passages, mf.questions),
+        (0, 0, 0),
+        "{mf:?} ({word})"
+    );
+    assert!(free.iter().all(|it| !eval2.reaches(&it.item)));
+    let md = eval2.answer_mentions(&spec.training_items(&cx2).unwrap());
+    assert!(md.passages >= 1, "{md:?} ({word})");
+    // The strict flag is part of the spec, so of its content hash.
+    assert_ne!(
+        serde_json::to_string(&strict).unwrap(),
+        serde_json::to_string(&spec).unwrap()
+    );
 }

@@ -113,6 +113,13 @@ pub struct BridgeSpec {
     /// answers earns nothing there).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub answer_disjoint: bool,
+    /// Train only on items in which no normalised evaluation answer
+    /// appears anywhere: not as the gold answer, nor as whole words of the
+    /// passage or the question (the strict answer-disjoint split; it keeps
+    /// fewer items, since short answers such as "two" or a year occur in
+    /// many passages).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub answer_free: bool,
     /// The arm the bridge is trained under.
     pub arm: TrainArm,
 }
@@ -779,7 +786,11 @@ impl ResourceKind for BridgeSpec {
     fn training_items(&self, cx: &TrainCx) -> Result<Vec<SplitItem>> {
         let n = self.train_items + self.slice_items;
         let mut draw = |k: usize| {
-            if self.answer_disjoint {
+            if self.answer_free {
+                super::sample_training_where(cx, self.data, k, self.seed, &|it| {
+                    !cx.eval.reaches(it)
+                })
+            } else if self.answer_disjoint {
                 super::sample_training_where(cx, self.data, k, self.seed, &|it| {
                     !cx.eval.shares_gold(it)
                 })
@@ -1130,7 +1141,7 @@ impl ResourceKind for BridgeSpec {
 
     fn describe(&self) -> String {
         format!(
-            "bridge targets={:?} rank={} alpha={} layers={} train_items={} slice_items={} epochs={} lr={} seed={}{}",
+            "bridge targets={:?} rank={} alpha={} layers={} train_items={} slice_items={} epochs={} lr={} seed={}{}{}",
             self.targets,
             self.rank,
             self.alpha,
@@ -1140,7 +1151,8 @@ impl ResourceKind for BridgeSpec {
             self.epochs,
             self.lr,
             self.seed,
-            if self.answer_disjoint { " answer_disjoint" } else { "" }
+            if self.answer_disjoint { " answer_disjoint" } else { "" },
+            if self.answer_free { " answer_free" } else { "" }
         )
     }
 

@@ -167,22 +167,36 @@ impl EvalSet {
             .any(|a| self.answers.contains(&tolerable_probe::score::normalize(a)))
     }
 
-    /// How the evaluation answers reach `items` (a resource's training
-    /// items): whose gold answer is one (what an answer-disjoint set
-    /// excludes), and whose passage or question mentions one as whole
-    /// words (which no split here excludes), all normalised as SQuAD scores.
-    pub fn answer_mentions(&self, items: &[SplitItem]) -> AnswerMentions {
-        use tolerable_probe::score::normalize;
+    /// A test of whether a text mentions an evaluation answer as whole
+    /// words, both normalised as SQuAD scores.
+    fn mention_test(&self) -> impl Fn(&str) -> bool + '_ {
         let answers: Vec<String> = self
             .answers
             .iter()
             .filter(|a| !a.is_empty())
             .map(|a| format!(" {a} "))
             .collect();
-        let mentions = |text: &str| {
-            let t = format!(" {} ", normalize(text));
+        move |text: &str| {
+            let t = format!(" {} ", tolerable_probe::score::normalize(text));
             answers.iter().any(|a| t.contains(a.as_str()))
-        };
+        }
+    }
+
+    /// Whether an evaluation answer appears anywhere in `item`: as its
+    /// gold answer, or as whole words of its passage or question (what the
+    /// strict answer-disjoint split, `answer_free`, excludes).
+    pub fn reaches(&self, item: &tolerable_probe::QaItem) -> bool {
+        let mentions = self.mention_test();
+        self.shares_gold(item) || mentions(&item.context) || mentions(&item.question)
+    }
+
+    /// How the evaluation answers reach `items` (a resource's training
+    /// items): whose gold answer is one (what an answer-disjoint set
+    /// excludes), and whose passage or question mentions one as whole
+    /// words (what an answer-free set also excludes), all normalised as
+    /// SQuAD scores.
+    pub fn answer_mentions(&self, items: &[SplitItem]) -> AnswerMentions {
+        let mentions = self.mention_test();
         AnswerMentions {
             items: items.len(),
             gold: items.iter().filter(|i| self.shares_gold(&i.item)).count(),
