@@ -667,8 +667,8 @@ mod tests {
         }
     }
 
-    /// Two sites of two coordinates: both e0 at site 0; at site 1, x = e0
-    /// and y = c e0 + sqrt(1 - c^2) e1, at cosine c to it.
+    /// Two sites of two coordinates: at site 0 (never blended) x = e0 and
+    /// y = e1; at site 1, x = e0 and y = c e0 + sqrt(1 - c^2) e1, at cosine c.
     fn pair(c: f64) -> (Tensor, Tensor) {
         let s = (1.0 - c * c).sqrt();
         let x = Tensor::from_vec(
@@ -678,7 +678,7 @@ mod tests {
         )
         .unwrap();
         let y = Tensor::from_vec(
-            vec![1f32, 0.0, c as f32, s as f32],
+            vec![0f32, 1.0, c as f32, s as f32],
             (1, 2, 2),
             &candle_core::Device::Cpu,
         )

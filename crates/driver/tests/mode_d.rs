@@ -261,9 +261,9 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
     assert_eq!(meta["invocations"].as_array().unwrap().len(), 2);
     assert_eq!(rows(&out.join("summary.parquet")), summary);
 
-    // An oracle file that records a failure (here written over by hand) is
-    // refused on the next invocation: the gate is recorded as failed and
-    // nothing already written is touched.
+    // An oracle file that records a mean KL above the tolerance (here
+    // written over by hand) is refused on the next invocation: the gate is
+    // recorded as failed and nothing already written is touched.
     let oracle_dir = out.join("oracle");
     let first = std::fs::read_dir(&oracle_dir)
         .unwrap()

@@ -117,7 +117,7 @@ pub struct BridgeSpec {
     /// appears anywhere: not as the gold answer, nor as whole words of the
     /// passage or the question (the strict answer-disjoint split; it keeps
     /// fewer items, since short answers such as "two" or a year occur in
-    /// many passages).
+    /// many passages). It implies the answer-disjoint split.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub answer_free: bool,
     /// The arm the bridge is trained under.
