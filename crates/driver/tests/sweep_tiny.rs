@@ -767,9 +767,9 @@ inject = {{ carrier = "kv", positions = "passage", source = {{ pool = {{ n = 3, 
     let cfgm = ck.model.config();
     let bank = tolerable_driver::resources::KeyBank {
         keys: (0..cfgm.n_layers)
-            .map(|l| {
+            .map(|_| {
                 (0..cfgm.n_kv_heads)
-                    .map(|h| {
+                    .map(|_| {
                         candle_core::Tensor::randn(
                             0f32,
                             1f32,
@@ -777,15 +777,13 @@ inject = {{ carrier = "kv", positions = "passage", source = {{ pool = {{ n = 3, 
                             &candle_core::Device::Cpu,
                         )
                         .unwrap()
-                        .affine(1.0 + (l * 7 + h) as f64 * 0.01, 0.0)
-                        .unwrap()
                     })
                     .collect()
             })
             .collect(),
     };
-    let mut none: BTreeMap<String, tolerable_driver::resources::Value> = BTreeMap::new();
-    none.insert("bank".into(), std::sync::Arc::new(bank));
+    let mut resources: BTreeMap<String, tolerable_driver::resources::Value> = BTreeMap::new();
+    resources.insert("bank".into(), std::sync::Arc::new(bank));
     let memo = Memo::default();
     let passes = item_passes(
         &ck.model,
@@ -800,7 +798,7 @@ inject = {{ carrier = "kv", positions = "passage", source = {{ pool = {{ n = 3, 
         passes: &passes,
         index: 0,
         seed: 0,
-        resources: &none,
+        resources: &resources,
         memo: &memo,
     };
     let by = |name: &str| {
@@ -2374,7 +2372,8 @@ fn an_answer_disjoint_bridge_trains_on_no_evaluation_answer() {
         (0, 0, 0),
         "{mf:?} ({word})"
     );
-    assert!(free.iter().all(|it| !eval2.reaches(&it.item)));
+    let reaches = eval2.reach_test();
+    assert!(free.iter().all(|it| !reaches(&it.item)));
     let md = eval2.answer_mentions(&spec.training_items(&cx2).unwrap());
     assert!(md.passages >= 1, "{md:?} ({word})");
     // The strict flag is part of the spec, so of its content hash; a spec

@@ -785,11 +785,10 @@ impl ResourceKind for BridgeSpec {
 
     fn training_items(&self, cx: &TrainCx) -> Result<Vec<SplitItem>> {
         let n = self.train_items + self.slice_items;
+        let reaches = cx.eval.reach_test();
         let mut draw = |k: usize| {
             if self.answer_free {
-                super::sample_training_where(cx, self.data, k, self.seed, &|it| {
-                    !cx.eval.reaches(it)
-                })
+                super::sample_training_where(cx, self.data, k, self.seed, &|it| !reaches(it))
             } else if self.answer_disjoint {
                 super::sample_training_where(cx, self.data, k, self.seed, &|it| {
                     !cx.eval.shares_gold(it)

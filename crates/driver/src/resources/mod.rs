@@ -182,12 +182,13 @@ impl EvalSet {
         }
     }
 
-    /// Whether an evaluation answer appears anywhere in `item`: as its
-    /// gold answer, or as whole words of its passage or question (what the
-    /// strict answer-disjoint split, `answer_free`, excludes).
-    pub fn reaches(&self, item: &tolerable_probe::QaItem) -> bool {
+    /// A test of whether an evaluation answer appears anywhere in an item:
+    /// as its gold answer, or as whole words of its passage or question
+    /// (what the strict answer-disjoint split, `answer_free`, excludes).
+    /// Built once, then applied to every candidate item.
+    pub fn reach_test(&self) -> impl Fn(&tolerable_probe::QaItem) -> bool + '_ {
         let mentions = self.mention_test();
-        self.shares_gold(item) || mentions(&item.context) || mentions(&item.question)
+        move |item| self.shares_gold(item) || mentions(&item.context) || mentions(&item.question)
     }
 
     /// How the evaluation answers reach `items` (a resource's training
