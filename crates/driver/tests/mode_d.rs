@@ -261,9 +261,10 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
     assert_eq!(meta["invocations"].as_array().unwrap().len(), 2);
     assert_eq!(rows(&out.join("summary.parquet")), summary);
 
-    // An oracle file that records a mean KL above the tolerance (here
-    // written over by hand) is refused on the next invocation: the gate is
-    // recorded as failed and nothing already written is touched.
+    // An oracle file that records one disagreement that is not a tie, or a
+    // mean KL above the tolerance (here written over by hand), is refused on
+    // the next invocation by the gate's own rule: the gate is recorded as
+    // failed and nothing already written is touched.
     let oracle_dir = out.join("oracle");
     let first = std::fs::read_dir(&oracle_dir)
         .unwrap()
@@ -271,24 +272,38 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
         .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
         .min()
         .unwrap();
-    let mut bad = rows(&first);
-    let k = bad.iter().position(|r| r.metric == "kl_mode_d").unwrap();
-    bad[k].value = 0.5;
-    measure::write_rows(bad, &first).unwrap();
+    let original = rows(&first);
     let summary_before = std::fs::read(out.join("summary.parquet")).unwrap();
-    let e = measure::run(&cfg, &opts(&out)).unwrap_err().to_string();
+    let refused = |tamper: &dyn Fn(&mut MeasureRow), metric: &str| {
+        let mut bad = original.clone();
+        let k = bad.iter().position(|r| r.metric == metric).unwrap();
+        tamper(&mut bad[k]);
+        measure::write_rows(bad, &first).unwrap();
+        let e = measure::run(&cfg, &opts(&out)).unwrap_err().to_string();
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+        assert_eq!(meta["oracle"]["status"], "failed");
+        assert_eq!(
+            std::fs::read(out.join("summary.parquet")).unwrap(),
+            summary_before
+        );
+        assert_eq!(unit_rows(&out, "units"), units);
+        e
+    };
+    let e = refused(&|r| r.value = (r.n as f64 - 1.0) / r.n as f64, "agreement");
     assert!(
-        e.contains("above the tolerance") && e.contains("5.000e-1"),
+        e.contains("fails the gate") && e.contains("(0 ties)"),
         "{e}"
     );
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
-    assert_eq!(meta["oracle"]["status"], "failed");
-    assert_eq!(
-        std::fs::read(out.join("summary.parquet")).unwrap(),
-        summary_before
+    let e = refused(&|r| r.value = 0.5, "kl_mode_d");
+    assert!(
+        e.contains("fails the gate") && e.contains("5.000e-1"),
+        "{e}"
     );
-    assert_eq!(unit_rows(&out, "units"), units);
+    // Restored, the files pass again and nothing is recomputed.
+    measure::write_rows(original, &first).unwrap();
+    let o3 = measure::run(&cfg, &opts(&out)).unwrap();
+    assert_eq!((o3.computed, o3.skipped), (0, 2));
 }
 
 /// The oracle gate's rule: every top-1 prediction agrees with the full
@@ -318,6 +333,47 @@ fn the_oracle_gate_fails_on_one_disagreement_or_a_kl_at_the_tolerance() {
         kl_mean: ORACLE_KL_TOLERANCE,
         ..ok
     }));
+
+    // The rule applied to a file's rows: one (pair, layer) per check, the
+    // comparison rebuilt with its position count, ties counted.
+    use tolerable_driver::measure::mode_d::oracle_checks_from_rows;
+    let row = |layer: i64, metric: &str, value: f64| {
+        let mut r = MeasureRow::new("r", "mode_d", "m", metric, value, 10)
+            .context("ctx.py", "python")
+            .archetype("rename");
+        r.layer = Some(layer);
+        r.variant = Some("oracle".into());
+        r
+    };
+    let file = |agreement: f64, ties: f64| {
+        let mut v = Vec::new();
+        for l in [1, 2] {
+            let a = if l == 2 { agreement } else { 1.0 };
+            let t = if l == 2 { ties } else { 0.0 };
+            v.extend([
+                row(l, "agreement", a),
+                row(l, "kl_mode_d", 1e-9),
+                row(l, "kl_mode_d_max", 1e-8),
+                row(l, "ties", t),
+            ]);
+        }
+        v
+    };
+    let checks = oracle_checks_from_rows(&file(0.9, 1.0)).unwrap();
+    assert_eq!(checks.len(), 2);
+    assert!(checks.iter().all(|c| c.passed && c.comparison.n == 10));
+    let checks = oracle_checks_from_rows(&file(0.9, 0.0)).unwrap();
+    assert_eq!(
+        checks
+            .iter()
+            .map(|c| (c.layer, c.passed))
+            .collect::<Vec<_>>(),
+        vec![(1, true), (2, false)]
+    );
+    let mut partial = file(1.0, 0.0);
+    partial.retain(|r| !(r.metric == "ties" && r.layer == Some(2)));
+    let e = oracle_checks_from_rows(&partial).unwrap_err().to_string();
+    assert!(e.contains("lacks its ties row at layer 2"), "{e}");
 }
 
 fn checkpoint(model: &Path) -> Checkpoint {

@@ -674,6 +674,55 @@ pub fn oracle_passes(c: &Comparison) -> bool {
     agree + c.ties == c.n && c.kl_mean < ORACLE_KL_TOLERANCE
 }
 
+/// The oracle checks an oracle file records, one per (pair, injection
+/// layer), rebuilt from its rows (agreement, mean and largest KL, ties, each
+/// with the number of positions compared) and judged by [`oracle_passes`]:
+/// a resumed run holds the files of earlier invocations to the same rule.
+pub fn oracle_checks_from_rows(rows: &[MeasureRow]) -> Result<Vec<OracleCheck>> {
+    type Key = (String, String, i64);
+    let mut parts: BTreeMap<Key, BTreeMap<&str, (f64, i64)>> = BTreeMap::new();
+    for r in rows
+        .iter()
+        .filter(|r| r.variant.as_deref() == Some("oracle"))
+    {
+        let key = (
+            r.context.clone().unwrap_or_default(),
+            r.archetype.clone().unwrap_or_default(),
+            r.layer.unwrap_or(-1),
+        );
+        parts
+            .entry(key)
+            .or_default()
+            .insert(r.metric.as_str(), (r.value, r.n));
+    }
+    parts
+        .into_iter()
+        .map(|((context, archetype, layer), m)| {
+            let get = |metric: &str| {
+                m.get(metric).copied().ok_or_else(|| {
+                    DriverError::Gate(format!(
+                        "oracle file of {context}/{archetype} lacks its {metric} row at layer {layer}"
+                    ))
+                })
+            };
+            let (agreement, n) = get("agreement")?;
+            let comparison = Comparison {
+                n: n.max(0) as usize,
+                agreement,
+                kl_mean: get("kl_mode_d")?.0,
+                kl_max: get("kl_mode_d_max")?.0,
+                ties: get("ties")?.0.round().max(0.0) as usize,
+            };
+            Ok(OracleCheck {
+                pair: format!("{context}/{archetype}"),
+                layer: layer.max(0) as usize,
+                passed: oracle_passes(&comparison),
+                comparison,
+            })
+        })
+        .collect()
+}
+
 /// Phase 1 on one pair: the final-position deltas `[L + 1, d]`, and the
 /// oracle at every injection layer (rows, and each layer's check).
 pub fn oracle_pair(
@@ -1222,18 +1271,17 @@ pub fn run(
     for ctx in &with_pairs {
         oracle_rows.extend(read_rows(&rd.unit("oracle", &ctx.name, "parquet"))?);
     }
-    // Files of an earlier invocation are checked again.
-    if let Some(bad) = oracle_rows
-        .iter()
-        .find(|r| r.metric == "kl_mode_d" && r.value >= ORACLE_KL_TOLERANCE)
+    // Files of an earlier invocation are checked again, by the same rule.
+    if let Some(bad) = oracle_checks_from_rows(&oracle_rows)?
+        .into_iter()
+        .find(|c| !c.passed)
     {
         meta["oracle"] = oracle_outcome(&oracle_rows, plan.pairs.len(), &plan.layers, "failed");
         rd.write_meta(&meta)?;
+        let c = &bad.comparison;
         return Err(DriverError::Gate(format!(
-            "oracle file of {} records a mean KL of {:.3e} at layer {:?}, above the tolerance",
-            bad.context.as_deref().unwrap_or("?"),
-            bad.value,
-            bad.layer
+            "oracle file of {} fails the gate at layer {}: agreement {:.4} over {} positions ({} ties), mean KL {:.3e} (tolerance {ORACLE_KL_TOLERANCE:e})",
+            bad.pair, bad.layer, c.agreement, c.n, c.ties, c.kl_mean
         )));
     }
     meta["oracle"] = oracle_outcome(&oracle_rows, plan.pairs.len(), &plan.layers, "passed");
