@@ -1127,11 +1127,15 @@ pub fn dry_run(cfg: &MeasureConfig, spec: &ModeDSpec, opts: &MeasureOptions) -> 
             + span)
             * spec.timing_reps as f64;
     }
-    // About 1e11 FLOP/s: the 0.5B's ~140 prefill tokens/s on this 2-core machine.
+    // About 8e10 FLOP/s: the 0.5B's fitted ~107 prefill tokens/s on this
+    // 2-core machine (crate::sweep::PREFILL_TOKENS_PER_S_05B) at 0.74 GFLOP
+    // a token (222.7 GFLOP for a 300-token prefill).
+    let rate = crate::sweep::PREFILL_TOKENS_PER_S_05B * 0.74e9;
     out.push_str(&format!(
-        "estimate: {:.1} TFLOP, about {:.0} min at ~100 GFLOP/s (a rough figure for this 2-core machine)\n",
+        "estimate: {:.1} TFLOP, about {:.0} min at ~{:.0} GFLOP/s (a rough figure for this 2-core machine)\n",
         flops / 1e12,
-        flops / 1e11 / 60.0
+        flops / rate / 60.0,
+        rate / 1e9
     ));
     Ok(out)
 }
