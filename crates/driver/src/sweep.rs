@@ -24,12 +24,21 @@ use tolerable_probe::{SplitItem, SplitOptions, Template};
 use tolerable_runtime::{Checkpoint, ModelConfig, Precision, Tokenizer};
 
 /// Prefill tokens a second of the 0.5B on this project's 2-core AVX2
-/// machine, fitted to its sweeps' wall times (the dry run's estimate).
+/// machine, fitted to its sweeps' wall times (the dry runs' estimates).
 pub const PREFILL_TOKENS_PER_S_05B: f64 = 107.0;
 
 /// Decoded tokens a second per arm-item of the 0.5B on the same machine,
-/// batched as the runner batches them, fitted with the prefill rate.
+/// batched as the runner batches them, fitted with the prefill rate; it
+/// also absorbs each arm's own costs (cache edits, calibration, fidelity
+/// measures), which scale with arms x items as decoded tokens do.
 pub const DECODED_TOKENS_PER_S_05B: f64 = 22.5;
+
+/// How much faster than the 0.5B a model of this geometry runs, by the
+/// parameters of its blocks (the rates above scaled for a dry run).
+pub fn speed_relative_to_05b(mcfg: &ModelConfig) -> f64 {
+    let params = |l: usize, d: usize, f: usize| (l * (4 * d * d + 3 * d * f)) as f64;
+    params(24, 896, 4864) / params(mcfg.n_layers, mcfg.d_model, mcfg.d_ffn)
+}
 
 /// Options of one sweep invocation.
 #[derive(Debug, Clone, Default)]
@@ -680,17 +689,13 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
     }
     let restart_tokens = restart_tokens.round() as usize;
     let decode_tokens = sample.items.len() * plan.programs.len() * cfg.run.new_tokens;
-    let params =
-        (mcfg.n_layers * (4 * mcfg.d_model * mcfg.d_model + 3 * mcfg.d_model * mcfg.d_ffn)) as f64;
     // Rates fitted (least squares) to the wall time of four 0.5B sweeps on
     // this 2-core AVX2 machine (layer-budget, cosine-vs-consumability,
     // sparse-damage, act-augment: 45-150 minutes each, within 20% of the
-    // fit): about 107 prefill tokens/s, and about 22.5 decoded tokens/s per
-    // arm-item. A decoding step serves many arms at once, but at the small
-    // row counts where gemm is slowest, with the LM head at every row and
-    // attention over each arm's own cache, so a decoded token costs about
-    // five prefill tokens. Scaled to other models by parameters.
-    let scale = (24.0 * (4.0 * 896.0 * 896.0 + 3.0 * 896.0 * 4864.0)) / params;
+    // fit): about 107 prefill tokens/s and 22.5 decoded tokens/s per
+    // arm-item, the latter including the per-arm costs that scale with it.
+    // Scaled to other models by parameters.
+    let scale = speed_relative_to_05b(&mcfg);
     let rate = PREFILL_TOKENS_PER_S_05B * scale;
     let decode_rate = DECODED_TOKENS_PER_S_05B * scale;
     let secs = (pass_tokens + question_tokens + restart_tokens) as f64 / rate

@@ -283,6 +283,7 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
         let meta: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
         assert_eq!(meta["oracle"]["status"], "failed");
+        assert!(!meta["oracle"]["failure"].is_null(), "{}", meta["oracle"]);
         assert_eq!(
             std::fs::read(out.join("summary.parquet")).unwrap(),
             summary_before
@@ -300,6 +301,25 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
         e.contains("fails the gate") && e.contains("5.000e-1"),
         "{e}"
     );
+    // A file that lost a row is refused the same way, and says which.
+    let mut short = original.clone();
+    let k = short.iter().position(|r| r.metric == "ties").unwrap();
+    let lost = short.remove(k);
+    measure::write_rows(short, &first).unwrap();
+    let e = measure::run(&cfg, &opts(&out)).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!(
+            "lacks its `ties` row at layer {}",
+            lost.layer.unwrap()
+        )),
+        "{e}"
+    );
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    assert_eq!(meta["oracle"]["status"], "failed");
+    assert!(meta["oracle"]["failure"]
+        .as_str()
+        .is_some_and(|f| f.contains("lacks its `ties` row")));
     // Restored, the files pass again and nothing is recomputed.
     measure::write_rows(original, &first).unwrap();
     let o3 = measure::run(&cfg, &opts(&out)).unwrap();
@@ -334,46 +354,83 @@ fn the_oracle_gate_fails_on_one_disagreement_or_a_kl_at_the_tolerance() {
         ..ok
     }));
 
-    // The rule applied to a file's rows: one (pair, layer) per check, the
-    // comparison rebuilt with its position count, ties counted.
+    // The rule applied to files' rows: one check per (pair, layer) the plan
+    // runs, the comparison rebuilt with its position count, ties counted,
+    // other variants' rows not read, and files that miss, repeat or add a
+    // row refused, named.
     use tolerable_driver::measure::mode_d::oracle_checks_from_rows;
-    let row = |layer: i64, metric: &str, value: f64| {
+    let row = |arch: &str, layer: i64, variant: &str, metric: &str, value: f64| {
         let mut r = MeasureRow::new("r", "mode_d", "m", metric, value, 10)
             .context("ctx.py", "python")
-            .archetype("rename");
+            .archetype(arch);
         r.layer = Some(layer);
-        r.variant = Some("oracle".into());
+        r.variant = Some(variant.into());
         r
     };
     let file = |agreement: f64, ties: f64| {
         let mut v = Vec::new();
-        for l in [1, 2] {
-            let a = if l == 2 { agreement } else { 1.0 };
-            let t = if l == 2 { ties } else { 0.0 };
-            v.extend([
-                row(l, "agreement", a),
-                row(l, "kl_mode_d", 1e-9),
-                row(l, "kl_mode_d_max", 1e-8),
-                row(l, "ties", t),
-            ]);
+        for arch in ["rename_identifier", "change_literal"] {
+            for l in [1, 2] {
+                let last = arch == "change_literal" && l == 2;
+                let a = if last { agreement } else { 1.0 };
+                let t = if last { ties } else { 0.0 };
+                v.extend([
+                    row(arch, l, "oracle", "agreement", a),
+                    row(arch, l, "oracle", "kl_mode_d", 1e-9),
+                    row(arch, l, "oracle", "kl_mode_d_max", 1e-8),
+                    row(arch, l, "oracle", "ties", t),
+                    // An approximate delta's rows fail the rule and are not read.
+                    row(arch, l, "edit_site", "agreement", 0.5),
+                    row(arch, l, "edit_site", "kl_mode_d", 0.3),
+                ]);
+            }
         }
         v
     };
-    let checks = oracle_checks_from_rows(&file(0.9, 1.0)).unwrap();
-    assert_eq!(checks.len(), 2);
+    let pairs: Vec<(String, String)> = ["rename_identifier", "change_literal"]
+        .iter()
+        .map(|a| ("ctx.py".to_string(), a.to_string()))
+        .collect();
+    let checks = oracle_checks_from_rows(&file(0.9, 1.0), &pairs, &[1, 2]).unwrap();
+    assert_eq!(checks.len(), 4);
     assert!(checks.iter().all(|c| c.passed && c.comparison.n == 10));
-    let checks = oracle_checks_from_rows(&file(0.9, 0.0)).unwrap();
+    let checks = oracle_checks_from_rows(&file(0.9, 0.0), &pairs, &[1, 2]).unwrap();
     assert_eq!(
         checks
             .iter()
-            .map(|c| (c.layer, c.passed))
+            .map(|c| (c.pair.as_str(), c.layer, c.passed))
             .collect::<Vec<_>>(),
-        vec![(1, true), (2, false)]
+        vec![
+            ("code/ctx.py/rename_identifier", 1, true),
+            ("code/ctx.py/rename_identifier", 2, true),
+            ("code/ctx.py/change_literal", 1, true),
+            ("code/ctx.py/change_literal", 2, false),
+        ]
     );
+    let refused = |rows: &[MeasureRow], layers: &[usize]| {
+        oracle_checks_from_rows(rows, &pairs, layers)
+            .unwrap_err()
+            .to_string()
+    };
     let mut partial = file(1.0, 0.0);
     partial.retain(|r| !(r.metric == "ties" && r.layer == Some(2)));
-    let e = oracle_checks_from_rows(&partial).unwrap_err().to_string();
-    assert!(e.contains("lacks its ties row at layer 2"), "{e}");
+    let e = refused(&partial, &[1, 2]);
+    assert!(e.contains("lacks its `ties` row at layer 2"), "{e}");
+    let e = refused(&file(1.0, 0.0), &[1, 2, 3]);
+    assert!(
+        e.contains("no oracle rows for code/ctx.py/rename_identifier at layer 3"),
+        "{e}"
+    );
+    let e = refused(&file(1.0, 0.0), &[1]);
+    assert!(e.contains("which this run does not measure"), "{e}");
+    let mut twice = file(1.0, 0.0);
+    twice.push(row("change_literal", 1, "oracle", "kl_mode_d", 1e-9));
+    let e = refused(&twice, &[1, 2]);
+    assert!(e.contains("two `kl_mode_d` rows"), "{e}");
+    assert!(oracle_checks_from_rows(&[], &pairs, &[1])
+        .unwrap_err()
+        .to_string()
+        .contains("no oracle rows"));
 }
 
 fn checkpoint(model: &Path) -> Checkpoint {

@@ -863,7 +863,8 @@ pub fn dry_run(cfg: &MeasureConfig, which: Which, opts: &MeasureOptions) -> Resu
     }
     s.push_str(&format!(
         "estimate: about {:.0} s of forward passes on two cores\n",
-        tokens as f64 / 130.0
+        tokens as f64
+            / (crate::sweep::PREFILL_TOKENS_PER_S_05B * crate::sweep::speed_relative_to_05b(&mcfg))
     ));
     Ok(s)
 }

@@ -674,13 +674,23 @@ pub fn oracle_passes(c: &Comparison) -> bool {
     agree + c.ties == c.n && c.kl_mean < ORACLE_KL_TOLERANCE
 }
 
-/// The oracle checks an oracle file records, one per (pair, injection
-/// layer), rebuilt from its rows (agreement, mean and largest KL, ties, each
-/// with the number of positions compared) and judged by [`oracle_passes`]:
-/// a resumed run holds the files of earlier invocations to the same rule.
-pub fn oracle_checks_from_rows(rows: &[MeasureRow]) -> Result<Vec<OracleCheck>> {
-    type Key = (String, String, i64);
-    let mut parts: BTreeMap<Key, BTreeMap<&str, (f64, i64)>> = BTreeMap::new();
+/// The oracle checks that oracle files record, rebuilt from their rows
+/// (agreement, mean and largest KL, ties, each with the number of positions
+/// compared) and judged by [`oracle_passes`]: a resumed run holds the files
+/// of earlier invocations to the same rule. `pairs` are the (context,
+/// archetype) pairs the plan runs and `layers` its injection layers: the
+/// rows must hold every metric of every pair at every layer exactly once,
+/// and nothing else, or the files are refused, named. Rows of other
+/// variants than the oracle are not read.
+pub fn oracle_checks_from_rows(
+    rows: &[MeasureRow],
+    pairs: &[(String, String)],
+    layers: &[usize],
+) -> Result<Vec<OracleCheck>> {
+    const METRICS: [&str; 4] = ["agreement", "kl_mode_d", "kl_mode_d_max", "ties"];
+    type Key = (String, String, Option<i64>);
+    let refused = |what: String| DriverError::Gate(format!("oracle files: {what}"));
+    let mut parts: BTreeMap<Key, BTreeMap<String, (f64, i64)>> = BTreeMap::new();
     for r in rows
         .iter()
         .filter(|r| r.variant.as_deref() == Some("oracle"))
@@ -688,21 +698,35 @@ pub fn oracle_checks_from_rows(rows: &[MeasureRow]) -> Result<Vec<OracleCheck>> 
         let key = (
             r.context.clone().unwrap_or_default(),
             r.archetype.clone().unwrap_or_default(),
-            r.layer.unwrap_or(-1),
+            r.layer,
         );
-        parts
-            .entry(key)
+        let name = || format!("code/{}/{} at layer {:?}", key.0, key.1, key.2);
+        if !METRICS.contains(&r.metric.as_str()) {
+            return Err(refused(format!(
+                "an unknown metric `{}` for {}",
+                r.metric,
+                name()
+            )));
+        }
+        if parts
+            .entry(key.clone())
             .or_default()
-            .insert(r.metric.as_str(), (r.value, r.n));
+            .insert(r.metric.clone(), (r.value, r.n))
+            .is_some()
+        {
+            return Err(refused(format!("two `{}` rows for {}", r.metric, name())));
+        }
     }
-    parts
-        .into_iter()
-        .map(|((context, archetype, layer), m)| {
+    let mut checks = Vec::with_capacity(pairs.len() * layers.len());
+    for (context, archetype) in pairs {
+        for &layer in layers {
+            let pair = format!("code/{context}/{archetype}");
+            let m = parts
+                .remove(&(context.clone(), archetype.clone(), Some(layer as i64)))
+                .ok_or_else(|| refused(format!("no oracle rows for {pair} at layer {layer}")))?;
             let get = |metric: &str| {
                 m.get(metric).copied().ok_or_else(|| {
-                    DriverError::Gate(format!(
-                        "oracle file of {context}/{archetype} lacks its {metric} row at layer {layer}"
-                    ))
+                    refused(format!("{pair} lacks its `{metric}` row at layer {layer}"))
                 })
             };
             let (agreement, n) = get("agreement")?;
@@ -713,14 +737,20 @@ pub fn oracle_checks_from_rows(rows: &[MeasureRow]) -> Result<Vec<OracleCheck>> 
                 kl_max: get("kl_mode_d_max")?.0,
                 ties: get("ties")?.0.round().max(0.0) as usize,
             };
-            Ok(OracleCheck {
-                pair: format!("{context}/{archetype}"),
-                layer: layer.max(0) as usize,
+            checks.push(OracleCheck {
+                pair,
+                layer,
                 passed: oracle_passes(&comparison),
                 comparison,
-            })
-        })
-        .collect()
+            });
+        }
+    }
+    if let Some(((context, archetype, layer), _)) = parts.into_iter().next() {
+        return Err(refused(format!(
+            "rows for code/{context}/{archetype} at layer {layer:?}, which this run does not measure"
+        )));
+    }
+    Ok(checks)
 }
 
 /// Phase 1 on one pair: the final-position deltas `[L + 1, d]`, and the
@@ -1128,9 +1158,9 @@ pub fn dry_run(cfg: &MeasureConfig, spec: &ModeDSpec, opts: &MeasureOptions) -> 
             * spec.timing_reps as f64;
     }
     // About 8e10 FLOP/s: the 0.5B's fitted ~107 prefill tokens/s on this
-    // 2-core machine (crate::sweep::PREFILL_TOKENS_PER_S_05B) at 0.74 GFLOP
-    // a token (222.7 GFLOP for a 300-token prefill).
-    let rate = crate::sweep::PREFILL_TOKENS_PER_S_05B * 0.74e9;
+    // 2-core machine (crate::sweep::PREFILL_TOKENS_PER_S_05B) at 0.73 GFLOP
+    // a token (FlopModel's 218.9 GFLOP for a 300-token prefill of the 0.5B).
+    let rate = crate::sweep::PREFILL_TOKENS_PER_S_05B * 0.73e9;
     out.push_str(&format!(
         "estimate: {:.1} TFLOP, about {:.0} min at ~{:.0} GFLOP/s (a rough figure for this 2-core machine)\n",
         flops / 1e12,
@@ -1275,18 +1305,38 @@ pub fn run(
     for ctx in &with_pairs {
         oracle_rows.extend(read_rows(&rd.unit("oracle", &ctx.name, "parquet"))?);
     }
-    // Files of an earlier invocation are checked again, by the same rule.
-    if let Some(bad) = oracle_checks_from_rows(&oracle_rows)?
-        .into_iter()
-        .find(|c| !c.passed)
-    {
-        meta["oracle"] = oracle_outcome(&oracle_rows, plan.pairs.len(), &plan.layers, "failed");
+    // Files of an earlier invocation are checked again, by the same rule;
+    // a refusal is recorded in run.json like a failure in phase 1.
+    let expected: Vec<(String, String)> = plan
+        .pairs
+        .iter()
+        .map(|p| (p.meta.context.clone(), p.meta.archetype.name().to_string()))
+        .collect();
+    let failure = match oracle_checks_from_rows(&oracle_rows, &expected, &plan.layers) {
+        Err(e) => {
+            let m = match e {
+                DriverError::Gate(m) => m,
+                other => other.to_string(),
+            };
+            Some((m.clone(), serde_json::json!(m)))
+        }
+        Ok(checks) => checks.into_iter().find(|c| !c.passed).map(|bad| {
+            let c = &bad.comparison;
+            (
+                format!(
+                    "oracle file of {} fails the gate at layer {}: agreement {:.4} over {} positions ({} ties), mean KL {:.3e} (tolerance {ORACLE_KL_TOLERANCE:e})",
+                    bad.pair, bad.layer, c.agreement, c.n, c.ties, c.kl_mean
+                ),
+                serde_json::to_value(&bad).unwrap_or_default(),
+            )
+        }),
+    };
+    if let Some((message, detail)) = failure {
+        let mut o = oracle_outcome(&oracle_rows, plan.pairs.len(), &plan.layers, "failed");
+        o["failure"] = detail;
+        meta["oracle"] = o;
         rd.write_meta(&meta)?;
-        let c = &bad.comparison;
-        return Err(DriverError::Gate(format!(
-            "oracle file of {} fails the gate at layer {}: agreement {:.4} over {} positions ({} ties), mean KL {:.3e} (tolerance {ORACLE_KL_TOLERANCE:e})",
-            bad.pair, bad.layer, c.agreement, c.n, c.ties, c.kl_mean
-        )));
+        return Err(DriverError::Gate(message));
     }
     meta["oracle"] = oracle_outcome(&oracle_rows, plan.pairs.len(), &plan.layers, "passed");
     rd.write_meta(&meta)?;
