@@ -387,9 +387,9 @@ fn the_oracle_gate_fails_on_one_disagreement_or_a_kl_at_the_tolerance() {
         }
         v
     };
-    let pairs: Vec<(String, String)> = ["rename_identifier", "change_literal"]
+    let pairs: Vec<(String, Archetype)> = ["rename_identifier", "change_literal"]
         .iter()
-        .map(|a| ("ctx.py".to_string(), a.to_string()))
+        .map(|a| ("ctx.py".to_string(), Archetype::from_name(a).unwrap()))
         .collect();
     let checks = oracle_checks_from_rows(&file(0.9, 1.0), &pairs, &[1, 2]).unwrap();
     assert_eq!(checks.len(), 4);

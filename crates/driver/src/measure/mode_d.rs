@@ -86,7 +86,8 @@ use std::io::IsTerminal;
 use std::path::Path;
 use std::time::Instant;
 use tolerable_carrier::LayerSet;
-use tolerable_probe::code::{corpus, pair::build_all, Archetype, CodeContext, CodePair};
+use tolerable_probe::code::pair::{build_all, pair_id};
+use tolerable_probe::code::{corpus, Archetype, CodeContext, CodePair};
 use tolerable_runtime::{
     HookPoint, HookSpec, KvCache, LogitsAt, Model, ModelConfig, Precision, Tokenizer,
 };
@@ -668,6 +669,18 @@ pub struct OracleCheck {
     pub passed: bool,
 }
 
+impl OracleCheck {
+    /// The check in words: the pair, the layer and what it measured
+    /// against the gate's tolerances (for refusals).
+    pub fn describe(&self) -> String {
+        let c = &self.comparison;
+        format!(
+            "{} at layer {}: agreement {:.4} over {} positions ({} ties), mean KL {:.3e} (tolerance {ORACLE_KL_TOLERANCE:e})",
+            self.pair, self.layer, c.agreement, c.n, c.ties, c.kl_mean
+        )
+    }
+}
+
 /// Whether an oracle comparison passes the gate.
 pub fn oracle_passes(c: &Comparison) -> bool {
     let agree = (c.agreement * c.n as f64).round() as usize;
@@ -678,13 +691,14 @@ pub fn oracle_passes(c: &Comparison) -> bool {
 /// (agreement, mean and largest KL, ties, each with the number of positions
 /// compared) and judged by [`oracle_passes`]: a resumed run holds the files
 /// of earlier invocations to the same rule. `pairs` are the (context,
-/// archetype) pairs the plan runs and `layers` its injection layers: the
+/// archetype) pairs the plan runs, named by their [`pair_id`], and
+/// `layers` its injection layers: the
 /// rows must hold every metric of every pair at every layer exactly once,
 /// and nothing else, or the files are refused, named. Rows of other
 /// variants than the oracle are not read.
 pub fn oracle_checks_from_rows(
     rows: &[MeasureRow],
-    pairs: &[(String, String)],
+    pairs: &[(String, Archetype)],
     layers: &[usize],
 ) -> Result<Vec<OracleCheck>> {
     const METRICS: [&str; 4] = ["agreement", "kl_mode_d", "kl_mode_d_max", "ties"];
@@ -720,9 +734,13 @@ pub fn oracle_checks_from_rows(
     let mut checks = Vec::with_capacity(pairs.len() * layers.len());
     for (context, archetype) in pairs {
         for &layer in layers {
-            let pair = format!("code/{context}/{archetype}");
+            let pair = pair_id(context, *archetype);
             let m = parts
-                .remove(&(context.clone(), archetype.clone(), Some(layer as i64)))
+                .remove(&(
+                    context.clone(),
+                    archetype.name().to_string(),
+                    Some(layer as i64),
+                ))
                 .ok_or_else(|| refused(format!("no oracle rows for {pair} at layer {layer}")))?;
             let get = |metric: &str| {
                 m.get(metric).copied().ok_or_else(|| {
@@ -1061,6 +1079,26 @@ fn read_deltas(rd: &RunDir, plan: &ModeDPlan) -> Result<DeltaTable> {
     Ok(table)
 }
 
+/// Records a refused oracle gate in `run.json` (status "failed", the
+/// outcome over `rows`, and what failed) and returns the error to stop
+/// the run with; nothing else is written.
+fn refuse_oracle(
+    rd: &RunDir,
+    meta: &mut serde_json::Value,
+    rows: &[MeasureRow],
+    plan: &ModeDPlan,
+    failure: serde_json::Value,
+    message: String,
+) -> DriverError {
+    let mut o = oracle_outcome(rows, plan.pairs.len(), &plan.layers, "failed");
+    o["failure"] = failure;
+    meta["oracle"] = o;
+    match rd.write_meta(meta) {
+        Ok(()) => DriverError::Gate(message),
+        Err(e) => e,
+    }
+}
+
 /// The oracle gate's outcome over every oracle file present, as `run.json` holds it.
 fn oracle_outcome(
     rows: &[MeasureRow],
@@ -1282,14 +1320,17 @@ pub fn run(
             rows.extend(pr.out);
             if let Some(bad) = checks.iter().find(|c| !c.passed) {
                 bar.finish_and_clear();
-                let mut o = oracle_outcome(&rows, plan.pairs.len(), &plan.layers, "failed");
-                o["failure"] = serde_json::to_value(bad).unwrap_or_default();
-                meta["oracle"] = o;
-                rd.write_meta(&meta)?;
-                return Err(DriverError::Gate(format!(
-                    "the Mode D oracle (the true per-position delta) does not reproduce the full recompute on {} at layer {}: agreement {:.4} ({} ties), mean KL {:.3e} (tolerance {ORACLE_KL_TOLERANCE:e}); no approximate delta was measured",
-                    bad.pair, bad.layer, bad.comparison.agreement, bad.comparison.ties, bad.comparison.kl_mean
-                )));
+                return Err(refuse_oracle(
+                    &rd,
+                    &mut meta,
+                    &rows,
+                    &plan,
+                    serde_json::to_value(bad).unwrap_or_default(),
+                    format!(
+                        "the Mode D oracle (the true per-position delta) does not reproduce the full recompute on {}; no approximate delta was measured",
+                        bad.describe()
+                    ),
+                ));
             }
             bar.inc(1);
         }
@@ -1307,36 +1348,30 @@ pub fn run(
     }
     // Files of an earlier invocation are checked again, by the same rule;
     // a refusal is recorded in run.json like a failure in phase 1.
-    let expected: Vec<(String, String)> = plan
+    let expected: Vec<(String, Archetype)> = plan
         .pairs
         .iter()
-        .map(|p| (p.meta.context.clone(), p.meta.archetype.name().to_string()))
+        .map(|p| (p.meta.context.clone(), p.meta.archetype))
         .collect();
     let failure = match oracle_checks_from_rows(&oracle_rows, &expected, &plan.layers) {
-        Err(e) => {
-            let m = match e {
-                DriverError::Gate(m) => m,
-                other => other.to_string(),
-            };
-            Some((m.clone(), serde_json::json!(m)))
-        }
+        Err(DriverError::Gate(m)) => Some((serde_json::json!(m), m)),
+        Err(other) => return Err(other),
         Ok(checks) => checks.into_iter().find(|c| !c.passed).map(|bad| {
-            let c = &bad.comparison;
             (
-                format!(
-                    "oracle file of {} fails the gate at layer {}: agreement {:.4} over {} positions ({} ties), mean KL {:.3e} (tolerance {ORACLE_KL_TOLERANCE:e})",
-                    bad.pair, bad.layer, c.agreement, c.n, c.ties, c.kl_mean
-                ),
                 serde_json::to_value(&bad).unwrap_or_default(),
+                format!("oracle file of {} fails the gate", bad.describe()),
             )
         }),
     };
-    if let Some((message, detail)) = failure {
-        let mut o = oracle_outcome(&oracle_rows, plan.pairs.len(), &plan.layers, "failed");
-        o["failure"] = detail;
-        meta["oracle"] = o;
-        rd.write_meta(&meta)?;
-        return Err(DriverError::Gate(message));
+    if let Some((detail, message)) = failure {
+        return Err(refuse_oracle(
+            &rd,
+            &mut meta,
+            &oracle_rows,
+            &plan,
+            detail,
+            message,
+        ));
     }
     meta["oracle"] = oracle_outcome(&oracle_rows, plan.pairs.len(), &plan.layers, "passed");
     rd.write_meta(&meta)?;
