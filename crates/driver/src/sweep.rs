@@ -691,8 +691,8 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
     let decode_tokens = sample.items.len() * plan.programs.len() * cfg.run.new_tokens;
     // Rates fitted (least squares) to the wall time of four 0.5B sweeps on
     // this 2-core AVX2 machine (layer-budget, cosine-vs-consumability,
-    // sparse-damage, act-augment: 45-150 minutes each, within 20% of the
-    // fit): about 107 prefill tokens/s and 22.5 decoded tokens/s per
+    // sparse-damage, act-augment: 45-150 minutes each; the fit is within
+    // 10% of three and 23% over sparse-damage): about 107 prefill tokens/s and 22.5 decoded tokens/s per
     // arm-item, the latter including the per-arm costs that scale with it.
     // Scaled to other models by parameters.
     let scale = speed_relative_to_05b(&mcfg);
