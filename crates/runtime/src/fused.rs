@@ -6,6 +6,7 @@
 use candle_core::cpu::kernels::VecOps;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use rayon::prelude::*;
+use std::sync::Arc;
 
 use crate::weights::contiguous_f32;
 
@@ -56,6 +57,10 @@ pub(crate) struct CausalSoftmax {
     pub scale: f32,
     /// New positions in the call.
     pub s: usize,
+    /// A padded batch's key validity, `[batch * t]` (sequence-major):
+    /// invalid keys are masked for every query of their sequence. `None`:
+    /// every key valid.
+    pub valid: Option<Arc<Vec<bool>>>,
 }
 
 impl CustomOp1 for CausalSoftmax {
@@ -77,17 +82,32 @@ impl CustomOp1 for CausalSoftmax {
         }
         let past = t - s;
         let scale = self.scale;
+        let rows = x.len() / t;
+        // Rows of scores per sequence, when a padded batch says which keys
+        // each sequence may see.
+        let per_seq = match &self.valid {
+            Some(v) if v.len() % t != 0 || v.is_empty() || rows % (v.len() / t) != 0 => {
+                candle_core::bail!(
+                    "causal-softmax: key validity of {} entries does not fit scores {dims:?}",
+                    v.len()
+                )
+            }
+            Some(v) => rows / (v.len() / t),
+            None => rows,
+        };
+        let valid = self.valid.as_deref();
         let mut out = vec![0f32; x.len()];
         x.par_chunks(t)
             .zip(out.par_chunks_mut(t))
             .enumerate()
             .for_each(|(r, (src, dst))| {
                 let sees = past + r % s;
+                let keys = valid.map(|v| &v[(r / per_seq) * t..(r / per_seq + 1) * t]);
                 for (j, (a, d)) in src.iter().zip(dst.iter_mut()).enumerate() {
                     // As the unfused path: the scale's affine (`* scale + 0`),
                     // then the mask's add (0, or f32::MIN, which absorbs any
                     // finite score).
-                    *d = if j <= sees {
+                    *d = if j <= sees && keys.is_none_or(|k| k[j]) {
                         a * scale + 0.0 + 0.0
                     } else {
                         f32::MIN

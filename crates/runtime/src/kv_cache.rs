@@ -40,6 +40,40 @@ pub struct LayerKv {
     pub v: Tensor,
 }
 
+/// The per-sequence layout of a padded batch ([`KvCache::stack_padded`]):
+/// sequences of different lengths share one tensor per layer, each with its
+/// own entries, its own padding (entries no query attends to) and its own
+/// next RoPE position.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowLayout {
+    /// Per sequence and entry: whether the entry belongs to the sequence
+    /// (false: padding, masked out of every attention).
+    valid: Vec<Vec<bool>>,
+    /// Per sequence, the RoPE position its next new token takes.
+    next: Vec<usize>,
+}
+
+impl RowLayout {
+    /// Per sequence and entry, whether the entry is the sequence's own
+    /// (true) or padding (false).
+    pub fn valid(&self) -> &[Vec<bool>] {
+        &self.valid
+    }
+
+    /// Per sequence, the RoPE position its next new token takes.
+    pub fn next_positions(&self) -> &[usize] {
+        &self.next
+    }
+
+    /// The sequences' real entry counts.
+    pub fn lens(&self) -> Vec<usize> {
+        self.valid
+            .iter()
+            .map(|r| r.iter().filter(|&&v| v).count())
+            .collect()
+    }
+}
+
 /// Entries of spare capacity a cache reserves when it first grows by
 /// appending to existing entries (a question after a prefill), so the
 /// decoding steps that follow write in place instead of copying the cache.
@@ -64,6 +98,9 @@ pub struct KvCache {
     head_dim: usize,
     next_position: usize,
     segments: Vec<Segment>,
+    /// A padded batch's per-sequence layout; `None` when every sequence
+    /// attends to every entry and takes the same next position.
+    rows: Option<RowLayout>,
     device: Device,
 }
 
@@ -79,6 +116,7 @@ impl Clone for KvCache {
             head_dim: self.head_dim,
             next_position: self.next_position,
             segments: self.segments.clone(),
+            rows: self.rows.clone(),
             device: self.device.clone(),
         }
     }
@@ -95,6 +133,7 @@ impl KvCache {
             head_dim: cfg.head_dim,
             next_position: 0,
             segments: Vec::new(),
+            rows: None,
             device: device.clone(),
         }
     }
@@ -119,14 +158,34 @@ impl KvCache {
         self.len() == 0
     }
 
-    /// The RoPE position the next new token takes.
+    /// The RoPE position the next new token takes (in a padded batch, the
+    /// furthest of any sequence's).
     pub fn next_position(&self) -> usize {
         self.next_position
     }
 
-    /// The segment layout.
+    /// The segment layout (in a padded batch, of the entries' slots only:
+    /// each sequence's own layout is in [`KvCache::rows`]).
     pub fn segments(&self) -> &[Segment] {
         &self.segments
+    }
+
+    /// A padded batch's per-sequence layout; `None` for a cache whose
+    /// sequences share one layout.
+    pub fn rows(&self) -> Option<&RowLayout> {
+        self.rows.as_ref()
+    }
+
+    fn refuse_padded(&self, op: &str) -> Result<()> {
+        if self.rows.is_some() {
+            return Err(RuntimeError::BadIntervention {
+                site: format!("kv cache {op}"),
+                reason: "a padded batch of sequences is for reading questions and decoding only; \
+                         edit, narrow or stack the sequences' own caches before padding them"
+                    .into(),
+            });
+        }
+        Ok(())
     }
 
     /// The device the tensors live on.
@@ -242,8 +301,18 @@ impl KvCache {
         Ok(kv)
     }
 
-    /// Records that `n` own tokens were added to every layer (forward use).
-    pub(crate) fn advance_own(&mut self, n: usize) {
+    /// Records that `n` own tokens were added to every layer (forward use);
+    /// in a padded batch, sequence `i`'s first `lens[i]` of them are real
+    /// and the rest padding (`None`: all real).
+    pub(crate) fn advance_own(&mut self, n: usize, lens: Option<&[usize]>) {
+        if let Some(rows) = &mut self.rows {
+            for (i, (valid, next)) in rows.valid.iter_mut().zip(rows.next.iter_mut()).enumerate() {
+                let real = lens.map_or(n, |l| l[i]);
+                valid.extend((0..n).map(|j| j < real));
+                *next += real;
+            }
+            self.next_position = rows.next.iter().copied().max().unwrap_or(0);
+        }
         let start = self.len();
         match self.segments.last_mut() {
             Some(s) if s.kind == SegmentKind::Own => s.len += n,
@@ -253,12 +322,16 @@ impl KvCache {
                 len: n,
             }),
         }
-        self.next_position += n;
+        if self.rows.is_none() {
+            self.next_position += n;
+        }
     }
 
     /// Appends another cache's entries as an extra attendable segment in every
     /// layer (augmentation). They keep their own RoPE; positions do not advance.
     pub fn append_segment(&mut self, other: &KvCache) -> Result<()> {
+        self.refuse_padded("append")?;
+        other.refuse_padded("append")?;
         if other.n_layers() != self.n_layers()
             || other.n_kv_heads != self.n_kv_heads
             || other.head_dim != self.head_dim
@@ -311,6 +384,7 @@ impl KvCache {
     /// Positions: the result's next position is where its last own entry
     /// would continue.
     pub fn narrow(&self, start: usize, len: usize) -> Result<KvCache> {
+        self.refuse_padded("narrow")?;
         if start + len > self.len() {
             return Err(RuntimeError::BadIntervention {
                 site: "kv cache narrow".into(),
@@ -357,6 +431,7 @@ impl KvCache {
             head_dim: self.head_dim,
             next_position: own_before_end,
             segments,
+            rows: None,
             device: self.device.clone(),
         })
     }
@@ -370,6 +445,7 @@ impl KvCache {
                 reason: "no caches to stack".into(),
             })?;
         for c in caches {
+            c.refuse_padded("stack")?;
             if c.segments != first.segments
                 || c.next_position != first.next_position
                 || c.n_layers() != first.n_layers()
@@ -428,6 +504,120 @@ impl KvCache {
             kv.k = kv.k.narrow(0, b, 1)?;
             kv.v = kv.v.narrow(0, b, 1)?;
         }
+        if let Some(rows) = &self.rows {
+            out.next_position = rows.next[b];
+            out.rows = Some(RowLayout {
+                valid: vec![rows.valid[b].clone()],
+                next: vec![rows.next[b]],
+            });
+        }
         Ok(out)
+    }
+
+    /// Stacks caches of any lengths and layouts along the batch axis, each
+    /// padded at its end to the longest: one forward then reads every
+    /// sequence's question and decodes them together, each sequence
+    /// attending to its own entries only and placing its new tokens at its
+    /// own next position. Caches of one layout are stacked as
+    /// [`KvCache::stack`] does, without padding.
+    pub fn stack_padded(caches: &[&KvCache]) -> Result<KvCache> {
+        let first = caches
+            .first()
+            .ok_or_else(|| RuntimeError::BadIntervention {
+                site: "kv cache stack".into(),
+                reason: "no caches to stack".into(),
+            })?;
+        if caches
+            .iter()
+            .all(|c| c.segments == first.segments && c.next_position == first.next_position)
+        {
+            return Self::stack(caches);
+        }
+        let longest = caches.iter().map(|c| c.len()).max().unwrap_or(0);
+        let mut valid = Vec::new();
+        let mut next = Vec::new();
+        for c in caches {
+            c.refuse_padded("stack")?;
+            if c.n_layers() != first.n_layers()
+                || c.n_kv_heads != first.n_kv_heads
+                || c.head_dim != first.head_dim
+            {
+                return Err(RuntimeError::BadIntervention {
+                    site: "kv cache stack".into(),
+                    reason: "caches differ in shape (layers, kv heads or head_dim)".into(),
+                });
+            }
+            if c.is_empty() {
+                return Err(RuntimeError::BadIntervention {
+                    site: "kv cache stack".into(),
+                    reason: "an empty cache cannot be padded into a batch".into(),
+                });
+            }
+            for _ in 0..c.batch {
+                valid.push((0..longest).map(|j| j < c.len()).collect());
+                next.push(c.next_position);
+            }
+        }
+        let mut layers = Vec::with_capacity(first.n_layers());
+        for l in 0..first.n_layers() {
+            let mut ks = Vec::with_capacity(caches.len());
+            let mut vs = Vec::with_capacity(caches.len());
+            for c in caches {
+                let kv = c.require_layer(l)?;
+                let pad = longest - c.len();
+                if pad == 0 {
+                    ks.push(kv.k.clone());
+                    vs.push(kv.v.clone());
+                } else {
+                    ks.push(kv.k.pad_with_zeros(2, 0, pad)?);
+                    vs.push(kv.v.pad_with_zeros(2, 0, pad)?);
+                }
+            }
+            layers.push(Some(LayerKv {
+                k: Tensor::cat(&ks, 0)?,
+                v: Tensor::cat(&vs, 0)?,
+            }));
+        }
+        Ok(KvCache {
+            spare: vec![None; layers.len()],
+            layers,
+            batch: caches.iter().map(|c| c.batch).sum(),
+            n_kv_heads: first.n_kv_heads,
+            head_dim: first.head_dim,
+            next_position: next.iter().copied().max().unwrap_or(0),
+            segments: vec![Segment {
+                kind: SegmentKind::Own,
+                start: 0,
+                len: longest,
+            }],
+            rows: Some(RowLayout { valid, next }),
+            device: first.device.clone(),
+        })
+    }
+
+    /// Per sequence, whether each of the cache's entries followed by `s`
+    /// new ones (the first `lens[i]` of them real) may be attended to;
+    /// `None` for a cache whose sequences share one layout.
+    pub(crate) fn key_validity(&self, s: usize, lens: Option<&[usize]>) -> Option<Vec<bool>> {
+        let rows = self.rows.as_ref()?;
+        let mut out = Vec::with_capacity(rows.valid.len() * (self.len() + s));
+        for (i, v) in rows.valid.iter().enumerate() {
+            out.extend_from_slice(v);
+            let real = lens.map_or(s, |l| l[i]);
+            out.extend((0..s).map(|j| j < real));
+        }
+        Some(out)
+    }
+
+    /// Per sequence, the RoPE positions of `s` new tokens; `None` for a cache
+    /// whose sequences share one layout.
+    pub(crate) fn row_positions(&self, s: usize) -> Option<Vec<u32>> {
+        let rows = self.rows.as_ref()?;
+        Some(
+            rows.next
+                .iter()
+                .flat_map(|&p| (p..p + s).map(|x| x as u32))
+                .collect(),
+        )
     }
 }

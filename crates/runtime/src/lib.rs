@@ -23,7 +23,7 @@ pub mod weights;
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use error::{Result, RuntimeError};
 pub use hooks::{Adapter, Edit, HookCache, HookPoint, HookSpec, Intervention, Projection};
-pub use kv_cache::{KvCache, LayerKv, Segment, SegmentKind};
+pub use kv_cache::{KvCache, LayerKv, RowLayout, Segment, SegmentKind};
 pub use machine::{machine, Machine};
 pub use model::{ForwardOutput, Generation, GreedyOptions, Kernels, LogitsAt, Model};
 pub use weights::{matmul_backend, Precision, Proj, MATMUL_BACKEND};

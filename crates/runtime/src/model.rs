@@ -14,6 +14,7 @@ use crate::kv_cache::{KvCache, LayerKv};
 use crate::weights::{Precision, Proj, Source};
 use candle_core::{DType, Device, Tensor, D};
 use std::path::Path;
+use std::sync::Arc;
 
 /// Which tensor kernels the forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -39,6 +40,10 @@ pub enum LogitsAt {
     All,
     /// These positions of the call.
     Positions(Vec<usize>),
+    /// One position per sequence: sequence `i` at position `p[i]` of the
+    /// call (the last real token of each prompt in a padded batch); logits
+    /// `[batch, 1, vocab]`.
+    PerRow(Vec<usize>),
 }
 
 /// What a forward call returns beside the updated cache.
@@ -342,8 +347,39 @@ impl Model {
         spec: &HookSpec,
         logits: LogitsAt,
     ) -> Result<ForwardOutput> {
+        self.forward_rows(tokens, cache, spec, logits, None)
+    }
+
+    /// As [`Model::forward`] on a padded batch ([`KvCache::stack_padded`]):
+    /// sequence `i`'s first `lens[i]` tokens are real and the rest padding,
+    /// which no query attends to and which does not advance the sequence's
+    /// positions (`None`: every token real).
+    pub fn forward_rows(
+        &self,
+        tokens: &Tensor,
+        cache: &mut KvCache,
+        spec: &HookSpec,
+        logits: LogitsAt,
+        lens: Option<&[usize]>,
+    ) -> Result<ForwardOutput> {
         let (b, s) = tokens.dims2()?;
         self.check_call(b, s, cache, spec)?;
+        if let Some(lens) = lens {
+            if lens.len() != b || lens.iter().any(|&n| n == 0 || n > s) {
+                return Err(RuntimeError::BadIntervention {
+                    site: "forward".into(),
+                    reason: format!(
+                        "real lengths {lens:?} do not fit a batch of {b} sequences of {s} tokens"
+                    ),
+                });
+            }
+            if cache.rows().is_none() && lens.iter().any(|&n| n != s) {
+                return Err(RuntimeError::BadIntervention {
+                    site: "forward".into(),
+                    reason: "padded tokens need a padded cache (KvCache::stack_padded)".into(),
+                });
+            }
+        }
         if let Some(&bad) = tokens
             .flatten_all()?
             .to_vec1::<u32>()?
@@ -364,7 +400,7 @@ impl Model {
             .index_select(&tokens.flatten_all()?, 0)?
             .reshape((b, s, self.cfg.d_model))?;
         let x = self.hook(spec, HookPoint::Embed, x, &mut hc)?;
-        let x = self.run_layers(0, x, None, cache, spec, &mut hc)?;
+        let x = self.run_layers(0, x, None, cache, spec, &mut hc, lens)?;
         let logits = self.head(&x, logits, spec, &mut hc)?;
         Ok(ForwardOutput { logits, hooks: hc })
     }
@@ -398,6 +434,12 @@ impl Model {
             });
         }
         self.check_call(b, s, cache, spec)?;
+        if cache.rows().is_some() || lower.rows().is_some() {
+            return Err(RuntimeError::BadIntervention {
+                site: "forward_from_layer".into(),
+                reason: "a padded batch of sequences cannot restart mid-stack".into(),
+            });
+        }
         if start_layer > 0 && (lower.len() != s || lower.batch() != b) {
             return Err(RuntimeError::BadIntervention {
                 site: "forward_from_layer".into(),
@@ -416,6 +458,7 @@ impl Model {
             cache,
             spec,
             &mut hc,
+            None,
         )?;
         let logits = self.head(&x, logits, spec, &mut hc)?;
         Ok(ForwardOutput { logits, hooks: hc })
@@ -472,6 +515,7 @@ impl Model {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run_layers(
         &self,
         start: usize,
@@ -480,18 +524,34 @@ impl Model {
         cache: &mut KvCache,
         spec: &HookSpec,
         hc: &mut HookCache,
+        lens: Option<&[usize]>,
     ) -> Result<Tensor> {
-        let s = x.dim(1)?;
+        let (b, s, _) = x.dims3()?;
         let pos0 = cache.next_position();
+        // A padded batch: which keys each sequence may attend to.
+        let valid = cache.key_validity(s, lens).map(Arc::new);
         // The materialised mask only where a layer takes the written-out
         // attention (the fused softmax masks from the shape).
-        let mask = if s > 1 && (start..self.cfg.n_layers).any(|l| !self.fused_softmax(l, spec)) {
-            Some(causal_mask(s, cache.len(), &self.device)?)
-        } else {
-            None
+        let written_out = (start..self.cfg.n_layers).any(|l| !self.fused_softmax(l, spec));
+        let mask = match &valid {
+            Some(v) if written_out => Some(padded_mask(v, b, s, cache.len(), &self.device)?),
+            None if s > 1 && written_out => Some(causal_mask(s, cache.len(), &self.device)?),
+            _ => None,
         };
-        let cos = self.cos.narrow(0, pos0, s)?.contiguous()?;
-        let sin = self.sin.narrow(0, pos0, s)?.contiguous()?;
+        let (cos, sin) = match cache.row_positions(s) {
+            Some(p) => {
+                let idx = Tensor::from_vec(p, b * s, &self.device)?;
+                let half = self.cfg.head_dim / 2;
+                (
+                    self.cos.index_select(&idx, 0)?.reshape((b, s, half))?,
+                    self.sin.index_select(&idx, 0)?.reshape((b, s, half))?,
+                )
+            }
+            None => (
+                self.cos.narrow(0, pos0, s)?.contiguous()?,
+                self.sin.narrow(0, pos0, s)?.contiguous()?,
+            ),
+        };
         if let Some(lower) = lower {
             for l in 0..start {
                 let kv = lower.require_layer(l)?;
@@ -499,9 +559,19 @@ impl Model {
             }
         }
         for l in start..self.cfg.n_layers {
-            x = self.block(l, x, &cos, &sin, mask.as_ref(), cache, spec, hc)?;
+            x = self.block(
+                l,
+                x,
+                &cos,
+                &sin,
+                mask.as_ref(),
+                valid.as_ref(),
+                cache,
+                spec,
+                hc,
+            )?;
         }
-        cache.advance_own(s);
+        cache.advance_own(s, lens);
         Ok(x)
     }
 
@@ -518,6 +588,10 @@ impl Model {
         Ok(match (self.kernels, self.cfg.rope_style) {
             (Kernels::Fused, RopeStyle::Half) => re::rope(&x.contiguous()?, cos, sin)?,
             (Kernels::Fused, RopeStyle::Interleaved) => re::rope_i(&x.contiguous()?, cos, sin)?,
+            // Per-sequence tables `[b, s, d/2]` (a padded batch).
+            (Kernels::Differentiable, style) if cos.rank() == 3 => {
+                rope_rows_slow(x, cos, sin, style)?
+            }
             (Kernels::Differentiable, RopeStyle::Half) => re::rope_slow(x, cos, sin)?,
             (Kernels::Differentiable, RopeStyle::Interleaved) => re::rope_i_slow(x, cos, sin)?,
         })
@@ -648,6 +722,7 @@ impl Model {
         cos: &Tensor,
         sin: &Tensor,
         mask: Option<&Tensor>,
+        valid: Option<&Arc<Vec<bool>>>,
         cache: &mut KvCache,
         spec: &HookSpec,
         hc: &mut HookCache,
@@ -690,10 +765,11 @@ impl Model {
             raw.apply_op1_no_bwd(&CausalSoftmax {
                 scale: scale as f32,
                 s,
+                valid: valid.cloned(),
             })?
         } else {
             let mut scores = (raw * scale)?;
-            if s > 1 {
+            if s > 1 || valid.is_some() {
                 let mask = mask.ok_or_else(|| RuntimeError::BadIntervention {
                     site: format!("blocks.{l}.attn"),
                     reason: "the causal mask is missing".into(),
@@ -779,6 +855,22 @@ impl Model {
                 )?;
                 x.index_select(&idx, 1)?
             }
+            LogitsAt::PerRow(p) => {
+                if p.len() != b || p.iter().any(|&i| i >= s) {
+                    return Err(RuntimeError::BadIntervention {
+                        site: "logits".into(),
+                        reason: format!(
+                            "per-sequence positions {p:?} do not fit {b} sequences of {s} positions"
+                        ),
+                    });
+                }
+                let rows = p
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &at)| x.narrow(0, i, 1)?.narrow(1, at, 1))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 0)?
+            }
         };
         let sel = sel.contiguous()?;
         let n = sel.dim(1)?;
@@ -810,6 +902,45 @@ impl Model {
     ) -> Result<Generation> {
         let tokens = self.tokens(prompt)?;
         let out = self.forward(&tokens, cache, spec, LogitsAt::Last)?;
+        let first_logits = out.logits.expect("asked for logits").squeeze(1)?;
+        self.decode_from(&first_logits, cache, opts)
+    }
+
+    /// As [`Model::generate_with`] for prompts of any lengths on a cache of
+    /// any layout ([`KvCache::stack_padded`]): prompts are padded at their
+    /// end, the first logits are each prompt's last real position's, and
+    /// every sequence decodes from its own next position. Prompts of one
+    /// length on an unpadded cache run exactly as [`Model::generate_with`].
+    pub fn generate_padded(
+        &self,
+        prompts: &[Vec<u32>],
+        cache: &mut KvCache,
+        spec: &HookSpec,
+        opts: &GreedyOptions,
+    ) -> Result<Generation> {
+        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        if cache.rows().is_none() && lens.iter().all(|&n| n == longest) {
+            return self.generate_with(prompts, cache, spec, opts);
+        }
+        if cache.rows().is_none() {
+            return Err(RuntimeError::BadIntervention {
+                site: "generate".into(),
+                reason: "prompts of different lengths need a padded cache (KvCache::stack_padded)"
+                    .into(),
+            });
+        }
+        let padded: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                let mut p = p.clone();
+                p.resize(longest, 0);
+                p
+            })
+            .collect();
+        let tokens = self.tokens(&padded)?;
+        let last: Vec<usize> = lens.iter().map(|&n| n.saturating_sub(1)).collect();
+        let out = self.forward_rows(&tokens, cache, spec, LogitsAt::PerRow(last), Some(&lens))?;
         let first_logits = out.logits.expect("asked for logits").squeeze(1)?;
         self.decode_from(&first_logits, cache, opts)
     }
@@ -895,6 +1026,54 @@ fn causal_mask(s: usize, past: usize, device: &Device) -> Result<Tensor> {
         .flat_map(|i| (0..t).map(move |j| if j <= past + i { 0.0 } else { f32::MIN }))
         .collect();
     Ok(Tensor::from_vec(data, (s, t), device)?)
+}
+
+/// Additive mask `[batch, 1, 1, s, past + s]` of a padded batch: new token
+/// i of sequence r sees the entries up to its own slot that are sequence
+/// r's (`valid`, `[batch * (past + s)]`).
+fn padded_mask(valid: &[bool], b: usize, s: usize, past: usize, device: &Device) -> Result<Tensor> {
+    let t = past + s;
+    let data: Vec<f32> = (0..b)
+        .flat_map(|r| {
+            (0..s).flat_map(move |i| {
+                (0..t).map(move |j| {
+                    if j <= past + i && valid[r * t + j] {
+                        0.0
+                    } else {
+                        f32::MIN
+                    }
+                })
+            })
+        })
+        .collect();
+    Ok(Tensor::from_vec(data, (b, 1, 1, s, t), device)?)
+}
+
+/// RoPE from per-sequence tables `cos`, `sin` `[b, s, d/2]` on `x`
+/// `[b, heads, s, d]`, differentiably (candle's slow path takes one table
+/// for the whole batch).
+fn rope_rows_slow(x: &Tensor, cos: &Tensor, sin: &Tensor, style: RopeStyle) -> Result<Tensor> {
+    let (b, h, s, d) = x.dims4()?;
+    Ok(match style {
+        RopeStyle::Half => {
+            let cos = Tensor::cat(&[cos, cos], D::Minus1)?.unsqueeze(1)?;
+            let sin = Tensor::cat(&[sin, sin], D::Minus1)?.unsqueeze(1)?;
+            let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+            let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+            let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+            (x.broadcast_mul(&cos)? + rot.broadcast_mul(&sin)?)?
+        }
+        RopeStyle::Interleaved => {
+            let cos = cos.unsqueeze(1)?.unsqueeze(D::Minus1)?;
+            let sin = sin.unsqueeze(1)?.unsqueeze(D::Minus1)?;
+            let x = x.reshape((b, h, s, d / 2, 2))?;
+            let x0 = x.narrow(D::Minus1, 0, 1)?;
+            let x1 = x.narrow(D::Minus1, 1, 1)?;
+            let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
+            let y1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
+            Tensor::cat(&[&y0, &y1], D::Minus1)?.reshape((b, h, s, d))?
+        }
+    })
 }
 
 fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {

@@ -1127,3 +1127,158 @@ fn gradients_pass_through_every_cache_growth() {
         .fold(0f32, f32::max);
     assert!(worst < 1e-3, "gradients differ by up to {worst} (relative)");
 }
+
+/// A batch-1 cache of `ids` read by `m`.
+fn read(m: &Model, ids: &[u32]) -> KvCache {
+    let mut c = m.new_cache(1);
+    m.forward(
+        &m.tokens(&[ids.to_vec()]).unwrap(),
+        &mut c,
+        &HookSpec::new(),
+        LogitsAt::None,
+    )
+    .unwrap();
+    c
+}
+
+/// Caches of three lengths and two layouts (one with an appended segment)
+/// and questions of three lengths, decoded as one padded batch, give each
+/// sequence's own decoding: the same tokens, first logits within float
+/// rounding (padding changes the summation lengths, not the terms).
+fn padded_batch_matches_one_at_a_time(spec: &TinySpec, kernels: Kernels) {
+    let (_d, ck) = tiny(spec, Precision::F32);
+    let m = ck.model.clone().with_kernels(kernels);
+    let enc = |s: &str| ck.tokenizer.encode(s).unwrap();
+    let mut with_segment = read(&m, &enc("the cat sat on the mat"));
+    with_segment
+        .append_segment(&read(&m, &enc("in the theatre of war")))
+        .unwrap();
+    let caches = [
+        read(&m, &enc(PROMPTS[0])),
+        read(&m, &enc("fn main() {}")),
+        with_segment,
+    ];
+    let questions = [enc("where?"), enc("what is it, and why?"), enc("who")];
+    assert!(questions.iter().any(|q| q.len() != questions[0].len()));
+    let opts = GreedyOptions::tokens(6);
+    let refs: Vec<&KvCache> = caches.iter().collect();
+    let mut padded = KvCache::stack_padded(&refs).unwrap();
+    let rows = padded.rows().expect("different layouts are padded");
+    assert_eq!(
+        rows.lens(),
+        caches.iter().map(|c| c.len()).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        rows.next_positions(),
+        caches.iter().map(|c| c.next_position()).collect::<Vec<_>>()
+    );
+    let batched = m
+        .generate_padded(&questions, &mut padded, &HookSpec::new(), &opts)
+        .unwrap();
+    for (i, (c, q)) in caches.iter().zip(&questions).enumerate() {
+        let mut own = c.clone();
+        let one = m
+            .generate_with(&[q.clone()], &mut own, &HookSpec::new(), &opts)
+            .unwrap();
+        assert_eq!(one.tokens[0], batched.tokens[i], "sequence {i}");
+        let d = max_diff(
+            &one.first_logits,
+            &batched.first_logits.narrow(0, i, 1).unwrap(),
+        );
+        assert!(d < 1e-4, "sequence {i}: first logits differ by {d}");
+        // Its positions advanced by its real tokens only.
+        let sel = padded.select(i).unwrap();
+        assert_eq!(sel.next_position(), own.next_position(), "sequence {i}");
+        assert_eq!(sel.rows().unwrap().lens()[0], own.len(), "sequence {i}");
+        // Its real entries (question and decoded tokens, with their RoPE
+        // positions) are its own cache's, pads left out.
+        let keep: Vec<u32> = sel.rows().unwrap().valid()[0]
+            .iter()
+            .enumerate()
+            .filter(|(_, &v)| v)
+            .map(|(j, _)| j as u32)
+            .collect();
+        let idx = Tensor::new(keep.as_slice(), &Device::Cpu).unwrap();
+        for l in 0..m.config().n_layers {
+            let got = sel
+                .layer(l)
+                .unwrap()
+                .k
+                .contiguous()
+                .unwrap()
+                .index_select(&idx, 2)
+                .unwrap();
+            let want = &own.layer(l).unwrap().k;
+            let d = max_diff(&got, want);
+            assert!(d < 1e-4, "sequence {i}, layer {l}: keys differ by {d}");
+        }
+    }
+}
+
+#[test]
+fn a_padded_batch_decodes_each_sequence_as_alone() {
+    padded_batch_matches_one_at_a_time(&TinySpec::default(), Kernels::Fused);
+    padded_batch_matches_one_at_a_time(&TinySpec::default(), Kernels::Differentiable);
+    let llama = TinySpec {
+        arch: Arch::Llama,
+        own_output: false,
+        seed: 11,
+        ..TinySpec::default()
+    };
+    padded_batch_matches_one_at_a_time(&llama, Kernels::Fused);
+    padded_batch_matches_one_at_a_time(&llama, Kernels::Differentiable);
+}
+
+#[test]
+fn padding_is_only_for_reading_questions_and_decoding() {
+    let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
+    let m = &ck.model;
+    let enc = |s: &str| ck.tokenizer.encode(s).unwrap();
+    let a = read(m, &enc("the cat sat on the mat"));
+    let b = read(m, &enc("fn main() {}"));
+    // One layout: stacked as `stack` stacks, without padding, bit for bit.
+    let same = KvCache::stack_padded(&[&a, &a]).unwrap();
+    assert!(same.rows().is_none());
+    let plain = KvCache::stack(&[&a, &a]).unwrap();
+    assert_eq!(cache_bits(&same), cache_bits(&plain));
+    let mut padded = KvCache::stack_padded(&[&a, &b]).unwrap();
+    let msg = |e: RuntimeError| e.to_string();
+    assert!(msg(padded.narrow(0, 2).unwrap_err()).contains("padded"));
+    assert!(msg(KvCache::stack(&[&padded, &padded]).unwrap_err()).contains("padded"));
+    assert!(msg(padded.clone().append_segment(&a).unwrap_err()).contains("padded"));
+    assert!(msg(KvCache::stack_padded(&[&padded, &a]).unwrap_err()).contains("padded"));
+    // Prompts of different lengths need a padded cache.
+    let mut two = KvCache::stack(&[&a, &a]).unwrap();
+    let err = m
+        .generate_padded(
+            &[enc("where?"), enc("what is it, and why?")],
+            &mut two,
+            &HookSpec::new(),
+            &GreedyOptions::tokens(2),
+        )
+        .unwrap_err();
+    assert!(msg(err).contains("padded cache"));
+    // Real lengths must fit the call.
+    let t = m.tokens(&[enc("ab"), enc("ab")]).unwrap();
+    let n = t.dim(1).unwrap();
+    let err = m
+        .forward_rows(
+            &t,
+            &mut padded,
+            &HookSpec::new(),
+            LogitsAt::None,
+            Some(&[n + 1, 1]),
+        )
+        .unwrap_err();
+    assert!(msg(err).contains("do not fit"));
+    let err = m
+        .forward_rows(
+            &t,
+            &mut padded,
+            &HookSpec::new(),
+            LogitsAt::PerRow(vec![0]),
+            None,
+        )
+        .unwrap_err();
+    assert!(msg(err).contains("per-sequence positions"));
+}
