@@ -99,6 +99,13 @@ pub struct BenchOptions {
     /// Items of its one-at-a-time baseline (a rate, so fewer items suffice).
     #[arg(long, default_value_t = 5)]
     pub arms_baseline_n: usize,
+    /// Items a padded batch of the few-arm item-batching figure holds (1:
+    /// the figure is skipped).
+    #[arg(long, default_value_t = 4)]
+    pub item_batch: usize,
+    /// Items over which that figure is timed, both ways.
+    #[arg(long, default_value_t = 12)]
+    pub item_batch_items: usize,
     /// SQuAD dev file or folder for the arm figures (default $TOLERABLE_SQUAD_DIR; synthetic if none).
     #[arg(long)]
     pub squad: Option<std::path::PathBuf>,
@@ -210,6 +217,11 @@ fn matmul_figures(ck: &Checkpoint, prompt_tokens: usize, reps: usize) -> Result<
 fn driver_figures(ck: &Checkpoint, o: &BenchOptions) -> Result<serde_json::Value> {
     let items = crate::bench_arms::items(ck, o.arms_n, o.squad.as_deref())?;
     let mut arms = crate::bench_arms::run(ck, &items, o.arms_baseline_n, 8)?;
+    if o.item_batch > 1 {
+        let n = o.item_batch_items.min(items.len());
+        arms["item_batching"] =
+            crate::bench_arms::item_batching(ck, &items[..n], o.item_batch, 8)?;
+    }
     if !o.skip_bank {
         let n = o.bank_items.min(items.len());
         arms["bank"] = crate::bench_arms::bank(

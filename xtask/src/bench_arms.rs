@@ -1,7 +1,8 @@
 //! The driver's speed figures in `cargo xtask bench`: the cost of one
 //! cache-only arm as a fraction of a full passage prefill, and arm-items per
 //! second for a 20-arm KV grid batched per item, against the same arms run
-//! one at a time (each arm's question and decoding alone).
+//! one at a time (each arm's question and decoding alone); and a few-arm
+//! plan's items decoded per item against several items padded into one batch.
 
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -9,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 use tolerable_driver::config::SweepConfig;
 use tolerable_driver::plan::{compile, Plan};
-use tolerable_driver::{Batching, Runner};
+use tolerable_driver::{Batching, ItemJob, Runner};
 use tolerable_probe::{SplitItem, SplitOptions};
 use tolerable_runtime::{Checkpoint, HookSpec, LogitsAt};
 
@@ -144,6 +145,87 @@ pub fn run(
         "arm_items_per_s_independent_runs": independent_rate,
         "kv_grid_speedup_vs_one_at_a_time": batched_rate / single_rate,
         "kv_grid_speedup_vs_independent_runs": batched_rate / independent_rate,
+    }))
+}
+
+/// Items padded into one batch against each item's arms batched alone, on a
+/// few-arm plan of three cache layouts (the floor, the native pass, KV
+/// augmentation from the holder, keys under cosine noise): arm-items per
+/// second both ways over the same items, `k` items a padded batch, and how
+/// many continuations agree (padding changes float rounding only).
+pub fn item_batching(
+    ck: &Checkpoint,
+    items: &[SplitItem],
+    k: usize,
+    new_tokens: usize,
+) -> Result<serde_json::Value> {
+    let text = "[run]\nname = \"bench-items\"\n[data]\nsource = \"synthetic\"\nn = 1\n\
+         [[arms]]\nname = \"kv_augment\"\n\
+         inject = { carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }\n\
+         [[arms]]\nname = \"k_noise\"\nbase = \"full\"\n\
+         inject = { carrier = \"k\", positions = \"passage\", source = \"native\", perturb = { kind = \"cosine_noise\", target_cosine = 0.9 } }\n";
+    let cfg = SweepConfig::parse(text)?;
+    let plan = compile(&cfg, ck.model.config(), &ck.id, &|_| unreachable!())?;
+    let n_arms = plan.programs.len();
+    let none = BTreeMap::new();
+    let m = &ck.model;
+    let per_item = Runner::new(m, &plan, &none, new_tokens, 0);
+    let padded = Runner::new(m, &plan, &none, new_tokens, 0).with_batching(Batching::Padded);
+    let pairs: Vec<_> = items.iter().map(|it| it.pair()).collect();
+    let jobs: Vec<ItemJob> = pairs
+        .iter()
+        .enumerate()
+        .map(|(i, pair)| ItemJob {
+            pair,
+            index: i,
+            partners: Vec::new(),
+        })
+        .collect();
+    // One untimed item first, so neither way pays the first call's warm-up.
+    if let Some(first) = jobs.first() {
+        per_item.run_items_timed(std::slice::from_ref(first))?;
+    }
+    let b = bar(jobs.len(), "few arms, per item");
+    let t = Instant::now();
+    let mut alone = Vec::new();
+    for job in &jobs {
+        alone.extend(per_item.run_items_timed(std::slice::from_ref(job))?);
+        b.inc(1);
+    }
+    let per_item_s = t.elapsed().as_secs_f64();
+    b.finish_and_clear();
+    let b = bar(jobs.len(), &format!("few arms, {k} items padded"));
+    let t = Instant::now();
+    let mut together = Vec::new();
+    for chunk in jobs.chunks(k.max(1)) {
+        together.extend(padded.run_items_timed(chunk)?);
+        b.inc(chunk.len() as u64);
+    }
+    let padded_s = t.elapsed().as_secs_f64();
+    b.finish_and_clear();
+    let agree = alone
+        .iter()
+        .zip(&together)
+        .flat_map(|((a, _), (p, _))| a.iter().zip(p).map(|(x, y)| x.tokens == y.tokens))
+        .filter(|&same| same)
+        .count();
+    let n = jobs.len() as f64 * n_arms as f64;
+    eprintln!(
+        "  {n_arms} arms: per item {:.2} arm-items/s, {k} items padded {:.2} ({:.2}x); {agree}/{n} continuations agree",
+        n / per_item_s,
+        n / padded_s,
+        per_item_s / padded_s
+    );
+    Ok(serde_json::json!({
+        "arms": n_arms,
+        "items": jobs.len(),
+        "item_batch": k,
+        "new_tokens": new_tokens,
+        "arm_items_per_s_per_item": n / per_item_s,
+        "arm_items_per_s_padded": n / padded_s,
+        "item_batch_speedup": per_item_s / padded_s,
+        "continuations_agree": agree,
+        "continuations": n as usize,
     }))
 }
 

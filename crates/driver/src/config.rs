@@ -45,6 +45,20 @@ pub struct RunSection {
     /// and run.json's `matmul_backend` says so.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub row_kernel: bool,
+    /// Items whose questions and decoding run as one padded batch (every
+    /// arm of `item_batch` items of a cell together, caches and questions
+    /// padded to one length): fewer, larger decoding batches, with the
+    /// padding's own float rounding, so 1 (each item's arms alone, by cache
+    /// layout) by default; above 1 it is part of the config's hash.
+    #[serde(default = "default_item_batch", skip_serializing_if = "is_one")]
+    pub item_batch: usize,
+}
+
+fn default_item_batch() -> usize {
+    1
+}
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 fn default_model() -> String {
@@ -200,6 +214,9 @@ impl SweepConfig {
         crate::resources::build_order(&resources)?;
         if run.cell_items == 0 {
             return Err(cfg_err("[run]: `cell_items` must be at least 1"));
+        }
+        if run.item_batch == 0 {
+            return Err(cfg_err("[run]: `item_batch` must be at least 1"));
         }
         if run.new_tokens == 0 {
             return Err(cfg_err("[run]: `new_tokens` must be at least 1"));

@@ -34,7 +34,7 @@ pub use arm::{Arm, Base, Expect, Injection, Source};
 pub use config::{PlannedArm, SweepConfig};
 pub use error::{DriverError, Result};
 pub use plan::{compile, Plan};
-pub use runner::{ArmOutcome, Batching, ItemTiming, Runner};
+pub use runner::{ArmOutcome, Batching, ItemJob, ItemTiming, Runner};
 pub use sweep::{SweepOptions, SweepOutcome};
 
 /// What the crate's unit tests share: a tiny random model written as a

@@ -2,7 +2,8 @@
 //! plan needs once (base and alternative contexts, the shared prefix read
 //! once; partners; question queries), executes every arm's program on them,
 //! and runs the question and decoding of arms whose caches share a layout as
-//! one batch. Per-item bit-exact gates are checked here.
+//! one batch (or, padded, of every arm of several items). Per-item bit-exact
+//! gates are checked here.
 
 use crate::arm::Expect;
 use crate::cross::{CrossHolder, ForeignCx};
@@ -53,6 +54,22 @@ pub enum Batching {
     Batched,
     /// Each arm runs the question and decoding alone (the baseline).
     OneAtATime,
+    /// The arms of every item in one call whose question hooks are equal
+    /// run the question and decoding together, their caches and questions
+    /// padded to one length ([`KvCache::stack_padded`]); the padding changes
+    /// float rounding (summation lengths), not what any sequence attends to.
+    Padded,
+}
+
+/// One item for [`Runner::run_items_timed`].
+#[derive(Debug, Clone)]
+pub struct ItemJob<'p> {
+    /// The item's contexts and question.
+    pub pair: &'p ContextPair,
+    /// Its index in the run's sample (seeds perturbations).
+    pub index: usize,
+    /// Its mis-source partners, as many as the plan reads.
+    pub partners: Vec<&'p ContextPair>,
 }
 
 /// Runs a compiled plan on items with one receiver.
@@ -133,6 +150,106 @@ impl<'a> Runner<'a> {
         item_index: usize,
         partners: &[&ContextPair],
     ) -> Result<(Vec<ArmOutcome>, ItemTiming)> {
+        let job = ItemJob {
+            pair,
+            index: item_index,
+            partners: partners.to_vec(),
+        };
+        Ok(self
+            .run_items_timed(std::slice::from_ref(&job))?
+            .pop()
+            .expect("one item in, one out"))
+    }
+
+    /// Runs every arm on several items: each item's arms are prepared on its
+    /// own passes, then the questions and decoding run in batches (across
+    /// the items only under [`Batching::Padded`]). Outcomes per item, in
+    /// the order given.
+    pub fn run_items_timed(&self, jobs: &[ItemJob]) -> Result<Vec<(Vec<ArmOutcome>, ItemTiming)>> {
+        let mut items: Vec<(Vec<(Prepared, f64)>, ItemTiming)> = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            items.push(self.prepare_item(job)?);
+        }
+        // Group arms; each group runs the question and decoding as one batch.
+        let mut groups: BTreeMap<String, Vec<(usize, usize)>> = BTreeMap::new();
+        for (i, (prepared, _)) in items.iter().enumerate() {
+            for (a, (p, _)) in prepared.iter().enumerate() {
+                let key = match self.batching {
+                    Batching::Batched => format!(
+                        "{i:06}:{}:{:?}:{}",
+                        p.cache.len(),
+                        p.cache.segments(),
+                        p.question_key
+                    ),
+                    Batching::Padded => p.question_key.clone(),
+                    Batching::OneAtATime => format!("{i:06}:arm{a:06}"),
+                };
+                groups.entry(key).or_default().push((i, a));
+            }
+        }
+        let mut results: Vec<Vec<Option<(Vec<u32>, Tensor, f64)>>> = items
+            .iter()
+            .map(|(prepared, _)| vec![None; prepared.len()])
+            .collect();
+        for members in groups.values() {
+            let t0 = Instant::now();
+            let refs: Vec<&KvCache> = members
+                .iter()
+                .map(|&(i, a)| &items[i].0[a].0.cache)
+                .collect();
+            let prompts: Vec<Vec<u32>> = members
+                .iter()
+                .map(|&(i, _)| jobs[i].pair.suffix.clone())
+                .collect();
+            let (i0, a0) = members[0];
+            let spec = &items[i0].0[a0].0.question;
+            let greedy = self.greedy.clone().with_adapters(spec);
+            let gen = if self.batching == Batching::Padded {
+                let mut cache = KvCache::stack_padded(&refs)?;
+                self.model
+                    .generate_padded(&prompts, &mut cache, spec, &greedy)?
+            } else {
+                let mut cache = KvCache::stack(&refs)?;
+                self.model
+                    .generate_with(&prompts, &mut cache, spec, &greedy)?
+            };
+            let share = t0.elapsed().as_secs_f64() / members.len() as f64;
+            for (row, &(i, a)) in members.iter().enumerate() {
+                items[i].1.decode_s += share;
+                results[i][a] = Some((
+                    gen.tokens[row].clone(),
+                    gen.first_logits.narrow(0, row, 1)?,
+                    share,
+                ));
+            }
+        }
+        items
+            .into_iter()
+            .zip(results)
+            .map(|((prepared, timing), mut results)| {
+                let out = prepared
+                    .into_iter()
+                    .enumerate()
+                    .map(|(a, (p, prep_s))| {
+                        let (tokens, first_logits, share) =
+                            results[a].take().expect("every arm ran");
+                        ArmOutcome {
+                            tokens,
+                            first_logits,
+                            measures: p.measures,
+                            seconds: prep_s + share,
+                            bit_exact: None,
+                        }
+                    })
+                    .collect();
+                Ok((self.check_gates(out)?, timing))
+            })
+            .collect()
+    }
+
+    /// One item's passes and every arm's prepared cache, with the time each
+    /// took.
+    fn prepare_item(&self, job: &ItemJob) -> Result<(Vec<(Prepared, f64)>, ItemTiming)> {
         let mut timing = ItemTiming::default();
         let t_passes = Instant::now();
         let none = BTreeMap::new();
@@ -144,8 +261,8 @@ impl<'a> Runner<'a> {
         });
         let passes = item_passes_with(
             self.model,
-            pair,
-            partners,
+            job.pair,
+            &job.partners,
             &self.plan.needs,
             self.senders.unwrap_or(&none),
             foreign.as_ref(),
@@ -156,7 +273,7 @@ impl<'a> Runner<'a> {
         let cx = ItemCx {
             model: self.model,
             passes: &passes,
-            index: item_index,
+            index: job.index,
             seed: self.seed,
             resources: self.resources,
             memo: &memo,
@@ -168,55 +285,12 @@ impl<'a> Runner<'a> {
             prepared.push((p, t0.elapsed().as_secs_f64()));
         }
         timing.prepare_s = prepared.iter().map(|p| p.1).sum();
-        // Group arms by cache layout and bridge; each group runs the question
-        // and decoding as one batch.
-        let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-        for (a, (p, _)) in prepared.iter().enumerate() {
-            let key = match self.batching {
-                Batching::Batched => format!(
-                    "{}:{:?}:{}",
-                    p.cache.len(),
-                    p.cache.segments(),
-                    p.question_key
-                ),
-                Batching::OneAtATime => format!("arm{a:06}"),
-            };
-            groups.entry(key).or_default().push(a);
-        }
-        let mut results: Vec<Option<(Vec<u32>, Tensor, f64)>> = vec![None; prepared.len()];
-        for members in groups.values() {
-            let t0 = Instant::now();
-            let refs: Vec<&KvCache> = members.iter().map(|&a| &prepared[a].0.cache).collect();
-            let mut cache = KvCache::stack(&refs)?;
-            let prompt = vec![pair.suffix.clone(); members.len()];
-            let spec = &prepared[members[0]].0.question;
-            let greedy = self.greedy.clone().with_adapters(spec);
-            let gen = self
-                .model
-                .generate_with(&prompt, &mut cache, spec, &greedy)?;
-            let spent = t0.elapsed().as_secs_f64();
-            timing.decode_s += spent;
-            let share = spent / members.len() as f64;
-            for (row, &a) in members.iter().enumerate() {
-                results[a] = Some((
-                    gen.tokens[row].clone(),
-                    gen.first_logits.narrow(0, row, 1)?,
-                    share,
-                ));
-            }
-        }
-        let mut out = Vec::with_capacity(prepared.len());
-        for (a, (p, prep_s)) in prepared.into_iter().enumerate() {
-            let (tokens, first_logits, share) = results[a].take().expect("every arm ran");
-            out.push(ArmOutcome {
-                tokens,
-                first_logits,
-                measures: p.measures,
-                seconds: prep_s + share,
-                bit_exact: None,
-            });
-        }
-        // The per-item gates: arms that must equal an anchor bit for bit.
+        Ok((prepared, timing))
+    }
+
+    /// One item's outcomes with their per-item gates checked: arms that must
+    /// equal an anchor bit for bit.
+    fn check_gates(&self, mut out: Vec<ArmOutcome>) -> Result<Vec<ArmOutcome>> {
         for (a, program) in self.plan.programs.iter().enumerate() {
             if let Some(e) = &program.expect {
                 let anchor = match e {
@@ -253,6 +327,6 @@ impl<'a> Runner<'a> {
                 out[a].bit_exact = Some(same);
             }
         }
-        Ok((out, timing))
+        Ok(out)
     }
 }

@@ -13,7 +13,7 @@ use crate::plan::{compile, Plan};
 use crate::records::{self, ArmColumns, ItemRow, SampleRow};
 use crate::resources::store::{Meta, Obtained, Store};
 use crate::resources::{hash_all, BuildCx, EvalSet, ResourceSpec, TrainCx, Value};
-use crate::runner::{Batching, Runner};
+use crate::runner::{Batching, ItemJob, Runner};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -1022,6 +1022,8 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     )
     .with_batching(if opts.one_at_a_time {
         Batching::OneAtATime
+    } else if cfg.run.item_batch > 1 {
+        Batching::Padded
     } else {
         Batching::Batched
     })
@@ -1035,19 +1037,30 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         let lo = c * cfg.run.cell_items;
         let hi = (lo + cfg.run.cell_items).min(set.items.len());
         let mut rows = Vec::new();
-        for i in lo..hi {
-            let outs = runner.run_item(&set.pairs[i], i, &set.partners_of(i))?;
-            rows.extend(item_rows(
-                &cfg,
-                &columns,
-                &ck,
-                &set.items[i],
-                i,
-                &outs,
-                plan.native,
-            )?);
-            bar.inc(1);
-            done += 1;
+        let items: Vec<usize> = (lo..hi).collect();
+        for chunk in items.chunks(cfg.run.item_batch) {
+            let jobs: Vec<ItemJob> = chunk
+                .iter()
+                .map(|&i| ItemJob {
+                    pair: &set.pairs[i],
+                    index: i,
+                    partners: set.partners_of(i),
+                })
+                .collect();
+            let outs = runner.run_items_timed(&jobs)?;
+            for (&i, (outs, _)) in chunk.iter().zip(&outs) {
+                rows.extend(item_rows(
+                    &cfg,
+                    &columns,
+                    &ck,
+                    &set.items[i],
+                    i,
+                    outs,
+                    plan.native,
+                )?);
+            }
+            bar.inc(chunk.len() as u64);
+            done += chunk.len();
         }
         records::write_rows(rows, &cell_path(&dir, c))?;
         record_time(

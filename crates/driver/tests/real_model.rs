@@ -2,7 +2,8 @@
 //! computes from shared passes equal plain generation on the prompts, the
 //! identity and no-op arms pass their bit-exact gates, a residual restart at
 //! layer 0 from the native state reproduces the native continuation, and
-//! batching arms does not change any continuation.
+//! batching arms (per item, or every arm of several items padded into one
+//! batch) does not change any continuation.
 //!
 //! The model must be cached (`cargo xtask fetch-model qwen2.5-coder-0.5b-instruct`);
 //! a missing model fails unless `TOLERABLE_SKIP_REAL=1`.
@@ -10,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use tolerable_driver::config::SweepConfig;
-use tolerable_driver::{compile, Base, Batching, Runner};
+use tolerable_driver::{compile, Base, Batching, ItemJob, Runner};
 use tolerable_fetch::catalog;
 use tolerable_probe::SplitOptions;
 use tolerable_runtime::{GreedyOptions, Precision};
@@ -70,8 +71,31 @@ fn runner_on_the_real_model_matches_plain_generation_and_passes_its_gates() {
     let none = BTreeMap::new();
     let batched = Runner::new(&ck.model, &plan, &none, 8, 0);
     let single = Runner::new(&ck.model, &plan, &none, 8, 0).with_batching(Batching::OneAtATime);
+    // Every arm of the three items as one padded batch (passages, layouts
+    // and questions of different lengths).
+    let padded = Runner::new(&ck.model, &plan, &none, 8, 0).with_batching(Batching::Padded);
+    let pairs: Vec<_> = sample.items.iter().map(|it| it.pair()).collect();
+    let jobs: Vec<ItemJob> = pairs
+        .iter()
+        .enumerate()
+        .map(|(i, pair)| ItemJob {
+            pair,
+            index: i,
+            partners: Vec::new(),
+        })
+        .collect();
+    let together = padded.run_items_timed(&jobs).unwrap();
     for (i, it) in sample.items.iter().enumerate() {
         let b = batched.run_item(&it.pair(), i, &[]).unwrap();
+        let p = &together[i].0;
+        for (a, pa) in cfg.arms.iter().enumerate() {
+            assert_eq!(
+                b[a].tokens, p[a].tokens,
+                "{} on {}: padding items into one batch changed the continuation",
+                pa.arm.name, it.item.id
+            );
+            assert_eq!(b[a].bit_exact, p[a].bit_exact, "{}", pa.arm.name);
+        }
         let s = single.run_item(&it.pair(), i, &[]).unwrap();
         for (a, pa) in cfg.arms.iter().enumerate() {
             assert_eq!(

@@ -334,6 +334,34 @@ fn batching_arms_does_not_change_continuations() {
         col(&n2, &r2, "continuation_ids")
     );
     assert_eq!(col(&n1, &r1, "correct"), col(&n2, &r2, "correct"));
+    // Every arm of the three items as one padded batch: another config (its
+    // own hash), the same continuations on this tiny model, and the
+    // identity and no-op arms still equal their anchors bit for bit.
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("cell_items = 3", "cell_items = 3\nitem_batch = 3");
+    let padded_cfg = dir.path().join("padded.toml");
+    std::fs::write(&padded_cfg, text).unwrap();
+    let padded = dir.path().join("padded");
+    sweep::run(
+        &padded_cfg,
+        &SweepOptions {
+            out: Some(padded.clone()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (n3, r3) = rows(&padded.join("items/cell-00000.parquet"));
+    assert_eq!(col(&n1, &r1, "arm"), col(&n3, &r3, "arm"));
+    assert_eq!(
+        col(&n1, &r1, "continuation_ids"),
+        col(&n3, &r3, "continuation_ids")
+    );
+    let exact = col(&n3, &r3, "bit_exact");
+    assert!(exact.iter().filter(|e| *e == "true").count() >= 3 * 3, "{exact:?}");
+    assert!(!exact.iter().any(|e| e == "false"), "{exact:?}");
+    assert_ne!(run_json(&batched)["config_hash"], run_json(&padded)["config_hash"]);
+    assert!(run_json(&padded)["config"].to_string().contains("item_batch"));
 }
 
 #[test]
