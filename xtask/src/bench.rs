@@ -99,6 +99,10 @@ pub struct BenchOptions {
     /// Items of its one-at-a-time baseline (a rate, so fewer items suffice).
     #[arg(long, default_value_t = 5)]
     pub arms_baseline_n: usize,
+    /// Skip the 20-arm grid's figures (batched against one at a time, one
+    /// KV-only arm against a prefill) in the driver's figures.
+    #[arg(long)]
+    pub skip_grid: bool,
     /// Items a padded batch of the few-arm item-batching figure holds (1:
     /// the figure is skipped).
     #[arg(long, default_value_t = 4)]
@@ -216,7 +220,11 @@ fn matmul_figures(ck: &Checkpoint, prompt_tokens: usize, reps: usize) -> Result<
 /// The driver's figures: the 20-arm grid and, unless skipped, the key bank's.
 fn driver_figures(ck: &Checkpoint, o: &BenchOptions) -> Result<serde_json::Value> {
     let items = crate::bench_arms::items(ck, o.arms_n, o.squad.as_deref())?;
-    let mut arms = crate::bench_arms::run(ck, &items, o.arms_baseline_n, 8)?;
+    let mut arms = if o.skip_grid {
+        serde_json::json!({})
+    } else {
+        crate::bench_arms::run(ck, &items, o.arms_baseline_n, 8)?
+    };
     if o.item_batch > 1 {
         let n = o.item_batch_items.min(items.len());
         arms["item_batching"] =
