@@ -103,9 +103,9 @@ pub struct BenchOptions {
     /// KV-only arm against a prefill) in the driver's figures.
     #[arg(long)]
     pub skip_grid: bool,
-    /// Items a padded batch of the few-arm item-batching figure holds (1:
-    /// the figure is skipped).
-    #[arg(long, default_value_t = 4)]
+    /// Items a padded batch of the few-arm item-batching figure holds (1,
+    /// the default: the figure is skipped).
+    #[arg(long, default_value_t = 1)]
     pub item_batch: usize,
     /// Items over which that figure is timed, both ways.
     #[arg(long, default_value_t = 12)]
@@ -217,7 +217,8 @@ fn matmul_figures(ck: &Checkpoint, prompt_tokens: usize, reps: usize) -> Result<
     Ok(serde_json::json!({ "backend": tolerable_runtime::MATMUL_BACKEND, "products": out }))
 }
 
-/// The driver's figures: the 20-arm grid and, unless skipped, the key bank's.
+/// The driver's figures: the 20-arm grid (unless skipped), item batching
+/// (when asked for) and the key bank's (unless skipped).
 fn driver_figures(ck: &Checkpoint, o: &BenchOptions) -> Result<serde_json::Value> {
     let items = crate::bench_arms::items(ck, o.arms_n, o.squad.as_deref())?;
     let mut arms = if o.skip_grid {
@@ -227,8 +228,7 @@ fn driver_figures(ck: &Checkpoint, o: &BenchOptions) -> Result<serde_json::Value
     };
     if o.item_batch > 1 {
         let n = o.item_batch_items.min(items.len());
-        arms["item_batching"] =
-            crate::bench_arms::item_batching(ck, &items[..n], o.item_batch, 8)?;
+        arms["item_batching"] = crate::bench_arms::item_batching(ck, &items[..n], o.item_batch, 8)?;
     }
     if !o.skip_bank {
         let n = o.bank_items.min(items.len());

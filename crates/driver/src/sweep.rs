@@ -902,9 +902,26 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         .and_then(|v| v["invocations"].as_array().cloned())
         .unwrap_or_default();
+    // How arms share question-and-decoding batches (float rounding differs
+    // between the ways; rows are comparable within one).
+    let batching = if opts.one_at_a_time {
+        Batching::OneAtATime
+    } else if cfg.run.item_batch > 1 {
+        Batching::Padded
+    } else {
+        Batching::Batched
+    };
+    let batching_text = match batching {
+        Batching::Padded => format!("padded, {} items a batch", cfg.run.item_batch),
+        Batching::Batched => "per item, by cache layout".to_string(),
+        Batching::OneAtATime => "one arm at a time".to_string(),
+    };
     invocations.push(crate::measure::invocation(
         &tolerable_runtime::matmul_backend(cfg.run.row_kernel),
-        serde_json::json!({ "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")) }),
+        serde_json::json!({
+            "shard": opts.shard.map(|(i, n)| format!("{i}/{n}")),
+            "batching": batching_text,
+        }),
     ));
     let resources_meta = resources_meta(&plan.resources, &resources, &obtained);
     check_resources_unchanged(&dir, &resources_meta)?;
@@ -949,6 +966,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         "gates": gates,
         "threads": candle_core::utils::get_num_threads(),
         "matmul_backend": tolerable_runtime::matmul_backend(cfg.run.row_kernel),
+        "batching": batching_text,
         "machine": tolerable_runtime::machine(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "invocations": invocations,
@@ -1020,13 +1038,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         cfg.run.new_tokens,
         cfg.run.seed,
     )
-    .with_batching(if opts.one_at_a_time {
-        Batching::OneAtATime
-    } else if cfg.run.item_batch > 1 {
-        Batching::Padded
-    } else {
-        Batching::Batched
-    })
+    .with_batching(batching)
     .with_senders(&senders)
     .with_cross_holders(&ck.tokenizer, &holders);
     let t_run = Instant::now();

@@ -592,6 +592,20 @@ base = "full"
         .unwrap_err()
         .to_string();
     assert!(e.contains("[run] row_kernel: invalid type"), "{e}");
+    // Item batching: 1 (each item's arms alone) hashes as before the
+    // option; above 1 it is another config; 0 is refused by name.
+    let one = SweepConfig::parse(&with("item_batch = 1")).unwrap();
+    let four = SweepConfig::parse(&with("item_batch = 4")).unwrap();
+    assert_eq!(off.run.item_batch, 1);
+    assert_eq!(off.hash(), one.hash());
+    assert!(!serde_json::to_string(&off.run)
+        .unwrap()
+        .contains("item_batch"));
+    assert_ne!(off.hash(), four.hash());
+    let e = SweepConfig::parse(&with("item_batch = 0"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`item_batch` must be at least 1"), "{e}");
     // A wrongly typed field is named in any table.
     let e = SweepConfig::parse(&base.replace("n = 2", "n = \"two\""))
         .unwrap_err()

@@ -358,10 +358,25 @@ fn batching_arms_does_not_change_continuations() {
         col(&n3, &r3, "continuation_ids")
     );
     let exact = col(&n3, &r3, "bit_exact");
-    assert!(exact.iter().filter(|e| *e == "true").count() >= 3 * 3, "{exact:?}");
+    assert!(
+        exact.iter().filter(|e| *e == "true").count() >= 3 * 3,
+        "{exact:?}"
+    );
     assert!(!exact.iter().any(|e| e == "false"), "{exact:?}");
-    assert_ne!(run_json(&batched)["config_hash"], run_json(&padded)["config_hash"]);
-    assert!(run_json(&padded)["config"].to_string().contains("item_batch"));
+    assert_ne!(
+        run_json(&batched)["config_hash"],
+        run_json(&padded)["config_hash"]
+    );
+    assert!(run_json(&padded)["config"]
+        .to_string()
+        .contains("item_batch"));
+    assert_eq!(run_json(&padded)["batching"], "padded, 3 items a batch");
+    assert_eq!(
+        run_json(&padded)["invocations"][0]["batching"],
+        "padded, 3 items a batch"
+    );
+    assert_eq!(run_json(&batched)["batching"], "per item, by cache layout");
+    assert_eq!(run_json(&single)["batching"], "one arm at a time");
 }
 
 #[test]

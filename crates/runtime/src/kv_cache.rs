@@ -234,6 +234,7 @@ impl KvCache {
 
     /// Replaces layer `l`'s keys and values with tensors of the same shape.
     pub fn set_layer(&mut self, l: usize, k: Tensor, v: Tensor) -> Result<()> {
+        self.refuse_padded("set layer")?;
         self.check_layer(l)?;
         let len = self.len();
         self.check_shape(&format!("blocks.{l}.attn.hook_rot_k"), &k, len)?;
@@ -490,7 +491,8 @@ impl KvCache {
         Self::stack(&refs)
     }
 
-    /// Sequence `b` of the batch as a batch-1 cache.
+    /// Sequence `b` of the batch as a batch-1 cache (of a padded batch: with
+    /// its padding, still a padded cache).
     pub fn select(&self, b: usize) -> Result<KvCache> {
         if b >= self.batch {
             return Err(RuntimeError::BadIntervention {
@@ -593,6 +595,19 @@ impl KvCache {
             rows: Some(RowLayout { valid, next }),
             device: first.device.clone(),
         })
+    }
+
+    /// This cache as a padded batch whose sequences share its layout (every
+    /// entry valid, one next position): prompts of different lengths can
+    /// then be read on it.
+    pub(crate) fn into_rows(mut self) -> KvCache {
+        if self.rows.is_none() {
+            self.rows = Some(RowLayout {
+                valid: vec![vec![true; self.len()]; self.batch],
+                next: vec![self.next_position; self.batch],
+            });
+        }
+        self
     }
 
     /// Per sequence, whether each of the cache's entries followed by `s`

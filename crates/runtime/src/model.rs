@@ -353,7 +353,8 @@ impl Model {
     /// As [`Model::forward`] on a padded batch ([`KvCache::stack_padded`]):
     /// sequence `i`'s first `lens[i]` tokens are real and the rest padding,
     /// which no query attends to and which does not advance the sequence's
-    /// positions (`None`: every token real).
+    /// positions (`None`: every token real). Hooks see every position of the
+    /// call and every entry, padding included (captures hold padded rows).
     pub fn forward_rows(
         &self,
         tokens: &Tensor,
@@ -377,6 +378,17 @@ impl Model {
                 return Err(RuntimeError::BadIntervention {
                     site: "forward".into(),
                     reason: "padded tokens need a padded cache (KvCache::stack_padded)".into(),
+                });
+            }
+        }
+        if let LogitsAt::PerRow(p) = &logits {
+            // Checked before the cache grows: a refused call changes nothing.
+            if p.len() != b || p.iter().any(|&i| i >= s) {
+                return Err(RuntimeError::BadIntervention {
+                    site: "logits".into(),
+                    reason: format!(
+                        "per-sequence positions {p:?} do not fit {b} sequences of {s} positions"
+                    ),
                 });
             }
         }
@@ -856,14 +868,6 @@ impl Model {
                 x.index_select(&idx, 1)?
             }
             LogitsAt::PerRow(p) => {
-                if p.len() != b || p.iter().any(|&i| i >= s) {
-                    return Err(RuntimeError::BadIntervention {
-                        site: "logits".into(),
-                        reason: format!(
-                            "per-sequence positions {p:?} do not fit {b} sequences of {s} positions"
-                        ),
-                    });
-                }
                 let rows = p
                     .iter()
                     .enumerate()
@@ -910,7 +914,8 @@ impl Model {
     /// any layout ([`KvCache::stack_padded`]): prompts are padded at their
     /// end, the first logits are each prompt's last real position's, and
     /// every sequence decodes from its own next position. Prompts of one
-    /// length on an unpadded cache run exactly as [`Model::generate_with`].
+    /// length on an unpadded cache run exactly as [`Model::generate_with`];
+    /// prompts of different lengths on one turn it into a padded batch.
     pub fn generate_padded(
         &self,
         prompts: &[Vec<u32>],
@@ -923,12 +928,20 @@ impl Model {
         if cache.rows().is_none() && lens.iter().all(|&n| n == longest) {
             return self.generate_with(prompts, cache, spec, opts);
         }
-        if cache.rows().is_none() {
+        if lens.len() != cache.batch() {
             return Err(RuntimeError::BadIntervention {
                 site: "generate".into(),
-                reason: "prompts of different lengths need a padded cache (KvCache::stack_padded)"
-                    .into(),
+                reason: format!(
+                    "{} prompts for a batch of {} sequences",
+                    lens.len(),
+                    cache.batch()
+                ),
             });
+        }
+        if cache.rows().is_none() {
+            // One shared layout, prompts of different lengths: padding the
+            // prompts is enough.
+            *cache = std::mem::replace(cache, self.new_cache(0)).into_rows();
         }
         let padded: Vec<Vec<u32>> = prompts
             .iter()

@@ -1247,17 +1247,14 @@ fn padding_is_only_for_reading_questions_and_decoding() {
     assert!(msg(KvCache::stack(&[&padded, &padded]).unwrap_err()).contains("padded"));
     assert!(msg(padded.clone().append_segment(&a).unwrap_err()).contains("padded"));
     assert!(msg(KvCache::stack_padded(&[&padded, &a]).unwrap_err()).contains("padded"));
-    // Prompts of different lengths need a padded cache.
-    let mut two = KvCache::stack(&[&a, &a]).unwrap();
-    let err = m
-        .generate_padded(
-            &[enc("where?"), enc("what is it, and why?")],
-            &mut two,
-            &HookSpec::new(),
-            &GreedyOptions::tokens(2),
+    assert!(msg(padded
+        .set_layer(
+            0,
+            a.layer(0).unwrap().k.clone(),
+            a.layer(0).unwrap().v.clone()
         )
-        .unwrap_err();
-    assert!(msg(err).contains("padded cache"));
+        .unwrap_err())
+    .contains("padded"));
     // Real lengths must fit the call.
     let t = m.tokens(&[enc("ab"), enc("ab")]).unwrap();
     let n = t.dim(1).unwrap();
@@ -1271,6 +1268,7 @@ fn padding_is_only_for_reading_questions_and_decoding() {
         )
         .unwrap_err();
     assert!(msg(err).contains("do not fit"));
+    let before = padded.len();
     let err = m
         .forward_rows(
             &t,
@@ -1281,4 +1279,68 @@ fn padding_is_only_for_reading_questions_and_decoding() {
         )
         .unwrap_err();
     assert!(msg(err).contains("per-sequence positions"));
+    assert_eq!(
+        padded.len(),
+        before,
+        "a refused call leaves the cache as it was"
+    );
+}
+
+/// Each sequence of `batch` (with `questions`, under `spec`) decodes as
+/// `alone[i]` does by itself.
+fn assert_decodes_as_alone(
+    m: &Model,
+    mut batch: KvCache,
+    alone: &[KvCache],
+    questions: &[Vec<u32>],
+    spec: &HookSpec,
+) {
+    let opts = GreedyOptions::tokens(5);
+    let together = m
+        .generate_padded(questions, &mut batch, spec, &opts)
+        .unwrap();
+    for (i, (c, q)) in alone.iter().zip(questions).enumerate() {
+        let one = m
+            .generate_with(&[q.clone()], &mut c.clone(), spec, &opts)
+            .unwrap();
+        assert_eq!(one.tokens[0], together.tokens[i], "sequence {i}");
+        let d = max_diff(
+            &one.first_logits,
+            &together.first_logits.narrow(0, i, 1).unwrap(),
+        );
+        assert!(d < 1e-4, "sequence {i}: first logits differ by {d}");
+    }
+}
+
+#[test]
+fn padded_questions_on_shared_layouts_batches_of_batches_and_written_out_layers() {
+    let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
+    let m = &ck.model;
+    let enc = |s: &str| ck.tokenizer.encode(s).unwrap();
+    let a = read(m, &enc("the cat sat on the mat"));
+    let b = read(m, &enc("fn main() {}"));
+    let (short, long) = (enc("who"), enc("what is it, and why?"));
+    // Caches of one layout with questions of different lengths: the shared
+    // layout becomes a padded batch.
+    let same = KvCache::stack_padded(&[&a, &a]).unwrap();
+    assert!(same.rows().is_none());
+    let none = HookSpec::new();
+    assert_decodes_as_alone(
+        m,
+        same,
+        &[a.clone(), a.clone()],
+        &[short.clone(), long.clone()],
+        &none,
+    );
+    // A batch-2 cache padded beside a batch-1 cache of another length.
+    let two = a.repeat(2).unwrap();
+    let mixed = KvCache::stack_padded(&[&two, &b]).unwrap();
+    assert_eq!(mixed.batch(), 3);
+    let qs = [short.clone(), long.clone(), enc("where?")];
+    let alone = [a.clone(), a.clone(), b.clone()];
+    assert_decodes_as_alone(m, mixed.clone(), &alone, &qs, &none);
+    // A hook on one layer's scores: that layer takes the written-out
+    // attention with the materialised mask, the others the one-pass softmax.
+    let scores = HookSpec::new().capture(HookPoint::AttnScores(1));
+    assert_decodes_as_alone(m, mixed, &alone, &qs, &scores);
 }
