@@ -103,8 +103,8 @@ pub struct BenchOptions {
     /// KV-only arm against a prefill) in the driver's figures.
     #[arg(long)]
     pub skip_grid: bool,
-    /// Items a padded batch of the few-arm item-batching figure holds (1,
-    /// the default: the figure is skipped).
+    /// Items a padded batch holds in the item-batching figures (the 20-arm
+    /// grid's and a few-arm plan's; 1, the default: they are skipped).
     #[arg(long, default_value_t = 1)]
     pub item_batch: usize,
     /// Items over which that figure is timed, both ways.
@@ -224,7 +224,7 @@ fn driver_figures(ck: &Checkpoint, o: &BenchOptions) -> Result<serde_json::Value
     let mut arms = if o.skip_grid {
         serde_json::json!({})
     } else {
-        crate::bench_arms::run(ck, &items, o.arms_baseline_n, 8)?
+        crate::bench_arms::run(ck, &items, o.arms_baseline_n, 8, o.item_batch)?
     };
     if o.item_batch > 1 {
         let n = o.item_batch_items.min(items.len());

@@ -1,7 +1,8 @@
 //! The driver's speed figures in `cargo xtask bench`: the cost of one
 //! cache-only arm as a fraction of a full passage prefill, and arm-items per
 //! second for a 20-arm KV grid batched per item, against the same arms run
-//! one at a time (each arm's question and decoding alone); and a few-arm
+//! one at a time (each arm's question and decoding alone) and, when asked,
+//! with every arm of several items padded into one batch; and a few-arm
 //! plan's items decoded per item against several items padded into one batch.
 
 use anyhow::Result;
@@ -49,12 +50,14 @@ fn bar(n: usize, what: &str) -> ProgressBar {
 }
 
 /// Runs the figures on `items` (batched over all of them, one at a time over
-/// the first `baseline_n`) and returns them as JSON.
+/// the first `baseline_n`; with `item_batch` above 1, also every arm of
+/// `item_batch` items padded into one batch) and returns them as JSON.
 pub fn run(
     ck: &Checkpoint,
     items: &[SplitItem],
     baseline_n: usize,
     new_tokens: usize,
+    item_batch: usize,
 ) -> Result<serde_json::Value> {
     let cfg = grid_config()?;
     let plan = arms_only(&cfg, ck)?;
@@ -81,8 +84,10 @@ pub fn run(
     let mut passes_s = Vec::new();
     let mut own_s = Vec::new();
     let t = Instant::now();
+    let mut batched_tokens = Vec::new();
     for (i, it) in items.iter().enumerate() {
-        let (_, timing) = batched.run_item_timed(&it.pair(), i, &[])?;
+        let (outs, timing) = batched.run_item_timed(&it.pair(), i, &[])?;
+        batched_tokens.push(outs.into_iter().map(|o| o.tokens).collect::<Vec<_>>());
         passes_s.push(timing.passes_s);
         own_s.push(timing.prepare_s + timing.decode_s);
         b.inc(1);
@@ -98,6 +103,45 @@ pub fn run(
     }
     let single_s = t.elapsed().as_secs_f64();
     b.finish_and_clear();
+    // The same grid with the arms of `item_batch` items as one padded batch.
+    let padded = (item_batch > 1)
+        .then(|| -> Result<(f64, Vec<f64>, usize)> {
+            let runner =
+                Runner::new(m, &plan, &none, new_tokens, 0).with_batching(Batching::Padded);
+            let pairs: Vec<_> = items.iter().map(|it| it.pair()).collect();
+            let jobs: Vec<ItemJob> = pairs
+                .iter()
+                .enumerate()
+                .map(|(i, pair)| ItemJob {
+                    pair,
+                    index: i,
+                    partners: Vec::new(),
+                })
+                .collect();
+            let b = bar(
+                jobs.len(),
+                &format!("20-arm grid, {item_batch} items padded"),
+            );
+            let t = Instant::now();
+            let mut own = Vec::new();
+            let mut tokens = Vec::new();
+            for chunk in jobs.chunks(item_batch) {
+                for (outs, timing) in runner.run_items_timed(chunk)? {
+                    own.push(timing.prepare_s + timing.decode_s);
+                    tokens.push(outs.into_iter().map(|o| o.tokens).collect::<Vec<_>>());
+                }
+                b.inc(chunk.len() as u64);
+            }
+            let padded_s = t.elapsed().as_secs_f64();
+            b.finish_and_clear();
+            let agree = tokens
+                .iter()
+                .zip(&batched_tokens)
+                .flat_map(|(p, q)| p.iter().zip(q).filter(|(x, y)| x == y))
+                .count();
+            Ok((padded_s, own, agree))
+        })
+        .transpose()?;
 
     let sum = |v: &[f64]| v.iter().sum::<f64>();
     let n = items.len() as f64;
@@ -127,7 +171,7 @@ pub fn run(
         arm_s,
         100.0 * arm_s / prefill_per_item
     );
-    Ok(serde_json::json!({
+    let mut out = serde_json::json!({
         "arms": n_arms,
         "items_batched": items.len(),
         "items_one_at_a_time": base.len(),
@@ -145,7 +189,28 @@ pub fn run(
         "arm_items_per_s_independent_runs": independent_rate,
         "kv_grid_speedup_vs_one_at_a_time": batched_rate / single_rate,
         "kv_grid_speedup_vs_independent_runs": batched_rate / independent_rate,
-    }))
+    });
+    if let Some((padded_s, own, agree)) = padded {
+        let padded_rate = n * n_arms as f64 / padded_s;
+        let padded_arm_s = sum(&own[..timed.len()]) / timed.len() as f64 / n_arms as f64;
+        eprintln!(
+            "  20-arm KV grid, {item_batch} items padded: {padded_rate:.2} arm-items/s, {:.2}x one at a time; one KV-only arm {padded_arm_s:.3} s ({:.1}% of a prefill); {agree}/{} continuations agree with per-item batching",
+            padded_rate / single_rate,
+            100.0 * padded_arm_s / prefill_per_item,
+            items.len() * n_arms
+        );
+        out["items_padded"] = serde_json::json!({
+            "item_batch": item_batch,
+            "arm_items_per_s": padded_rate,
+            "kv_grid_speedup_vs_one_at_a_time": padded_rate / single_rate,
+            "kv_grid_speedup_vs_per_item_batching": padded_rate / batched_rate,
+            "kv_arm_s": padded_arm_s,
+            "kv_arm_share_of_prefill": padded_arm_s / prefill_per_item,
+            "continuations_agree_with_per_item_batching": agree,
+            "continuations": items.len() * n_arms,
+        });
+    }
+    Ok(out)
 }
 
 /// Items padded into one batch against each item's arms batched alone, on a
