@@ -61,6 +61,10 @@ pub enum Batching {
     Padded,
 }
 
+/// What one arm's question and decoding gave: its tokens, its first logits
+/// and its share of the batch's seconds.
+type Decoded = (Vec<u32>, Tensor, f64);
+
 /// One item for [`Runner::run_items_timed`].
 #[derive(Debug, Clone)]
 pub struct ItemJob<'p> {
@@ -187,7 +191,7 @@ impl<'a> Runner<'a> {
                 groups.entry(key).or_default().push((i, a));
             }
         }
-        let mut results: Vec<Vec<Option<(Vec<u32>, Tensor, f64)>>> = items
+        let mut results: Vec<Vec<Option<Decoded>>> = items
             .iter()
             .map(|(prepared, _)| vec![None; prepared.len()])
             .collect();

@@ -86,7 +86,11 @@ impl CustomOp1 for CausalSoftmax {
         // Rows of scores per sequence, when a padded batch says which keys
         // each sequence may see.
         let per_seq = match &self.valid {
-            Some(v) if v.len() % t != 0 || v.is_empty() || rows % (v.len() / t) != 0 => {
+            Some(v)
+                if !v.len().is_multiple_of(t)
+                    || v.is_empty()
+                    || !rows.is_multiple_of(v.len() / t) =>
+            {
                 candle_core::bail!(
                     "causal-softmax: key validity of {} entries does not fit scores {dims:?}",
                     v.len()
