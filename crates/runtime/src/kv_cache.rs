@@ -96,6 +96,8 @@ pub struct KvCache {
     batch: usize,
     n_kv_heads: usize,
     head_dim: usize,
+    /// The next new token's RoPE position (of a padded batch, each
+    /// sequence's is in `rows` instead).
     next_position: usize,
     segments: Vec<Segment>,
     /// A padded batch's per-sequence layout; `None` when every sequence
@@ -161,7 +163,10 @@ impl KvCache {
     /// The RoPE position the next new token takes (in a padded batch, the
     /// furthest of any sequence's).
     pub fn next_position(&self) -> usize {
-        self.next_position
+        match &self.rows {
+            Some(rows) => rows.next.iter().copied().max().unwrap_or(0),
+            None => self.next_position,
+        }
     }
 
     /// The segment layout (in a padded batch, of the entries' slots only:
@@ -312,7 +317,6 @@ impl KvCache {
                 valid.extend((0..n).map(|j| j < real));
                 *next += real;
             }
-            self.next_position = rows.next.iter().copied().max().unwrap_or(0);
         }
         let start = self.len();
         match self.segments.last_mut() {
@@ -323,9 +327,7 @@ impl KvCache {
                 len: n,
             }),
         }
-        if self.rows.is_none() {
-            self.next_position += n;
-        }
+        self.next_position += n;
     }
 
     /// Appends another cache's entries as an extra attendable segment in every
@@ -437,21 +439,33 @@ impl KvCache {
         })
     }
 
-    /// Stacks caches of equal layout along the batch axis, so one forward serves them all.
-    pub fn stack(caches: &[&KvCache]) -> Result<KvCache> {
-        let first = caches
+    /// The first of caches to stack, or an error saying there are none.
+    fn first_of<'a>(caches: &[&'a KvCache]) -> Result<&'a KvCache> {
+        caches
             .first()
+            .copied()
             .ok_or_else(|| RuntimeError::BadIntervention {
                 site: "kv cache stack".into(),
                 reason: "no caches to stack".into(),
-            })?;
+            })
+    }
+
+    /// Whether two caches hold entries of one shape (layers, kv heads,
+    /// head_dim), whatever their lengths.
+    fn same_shape(&self, other: &KvCache) -> bool {
+        self.n_layers() == other.n_layers()
+            && self.n_kv_heads == other.n_kv_heads
+            && self.head_dim == other.head_dim
+    }
+
+    /// Stacks caches of equal layout along the batch axis, so one forward serves them all.
+    pub fn stack(caches: &[&KvCache]) -> Result<KvCache> {
+        let first = Self::first_of(caches)?;
         for c in caches {
             c.refuse_padded("stack")?;
             if c.segments != first.segments
                 || c.next_position != first.next_position
-                || c.n_layers() != first.n_layers()
-                || c.n_kv_heads != first.n_kv_heads
-                || c.head_dim != first.head_dim
+                || !c.same_shape(first)
             {
                 return Err(RuntimeError::BadIntervention {
                     site: "kv cache stack".into(),
@@ -507,7 +521,6 @@ impl KvCache {
             kv.v = kv.v.narrow(0, b, 1)?;
         }
         if let Some(rows) = &self.rows {
-            out.next_position = rows.next[b];
             out.rows = Some(RowLayout {
                 valid: vec![rows.valid[b].clone()],
                 next: vec![rows.next[b]],
@@ -523,12 +536,7 @@ impl KvCache {
     /// own next position. Caches of one layout are stacked as
     /// [`KvCache::stack`] does, without padding.
     pub fn stack_padded(caches: &[&KvCache]) -> Result<KvCache> {
-        let first = caches
-            .first()
-            .ok_or_else(|| RuntimeError::BadIntervention {
-                site: "kv cache stack".into(),
-                reason: "no caches to stack".into(),
-            })?;
+        let first = Self::first_of(caches)?;
         if caches
             .iter()
             .all(|c| c.segments == first.segments && c.next_position == first.next_position)
@@ -540,10 +548,7 @@ impl KvCache {
         let mut next = Vec::new();
         for c in caches {
             c.refuse_padded("stack")?;
-            if c.n_layers() != first.n_layers()
-                || c.n_kv_heads != first.n_kv_heads
-                || c.head_dim != first.head_dim
-            {
+            if !c.same_shape(first) {
                 return Err(RuntimeError::BadIntervention {
                     site: "kv cache stack".into(),
                     reason: "caches differ in shape (layers, kv heads or head_dim)".into(),
@@ -586,7 +591,7 @@ impl KvCache {
             batch: caches.iter().map(|c| c.batch).sum(),
             n_kv_heads: first.n_kv_heads,
             head_dim: first.head_dim,
-            next_position: next.iter().copied().max().unwrap_or(0),
+            next_position: 0,
             segments: vec![Segment {
                 kind: SegmentKind::Own,
                 start: 0,
@@ -597,17 +602,16 @@ impl KvCache {
         })
     }
 
-    /// This cache as a padded batch whose sequences share its layout (every
-    /// entry valid, one next position): prompts of different lengths can
-    /// then be read on it.
-    pub(crate) fn into_rows(mut self) -> KvCache {
+    /// Makes this cache a padded batch whose sequences share its layout
+    /// (every entry valid, one next position), so that prompts of different
+    /// lengths can be read on it.
+    pub(crate) fn share_layout_as_rows(&mut self) {
         if self.rows.is_none() {
             self.rows = Some(RowLayout {
                 valid: vec![vec![true; self.len()]; self.batch],
                 next: vec![self.next_position; self.batch],
             });
         }
-        self
     }
 
     /// Per sequence, whether each of the cache's entries followed by `s`

@@ -546,8 +546,10 @@ impl Model {
         // attention (the fused softmax masks from the shape).
         let written_out = (start..self.cfg.n_layers).any(|l| !self.fused_softmax(l, spec));
         let mask = match &valid {
-            Some(v) if written_out => Some(padded_mask(v, b, s, cache.len(), &self.device)?),
-            None if s > 1 && written_out => Some(causal_mask(s, cache.len(), &self.device)?),
+            Some(v) if written_out => Some(attention_mask(s, cache.len(), Some(v), &self.device)?),
+            None if s > 1 && written_out => {
+                Some(attention_mask(s, cache.len(), None, &self.device)?)
+            }
             _ => None,
         };
         let (cos, sin) = match cache.row_positions(s) {
@@ -941,7 +943,7 @@ impl Model {
         if cache.rows().is_none() {
             // One shared layout, prompts of different lengths: padding the
             // prompts is enough.
-            *cache = std::mem::replace(cache, self.new_cache(0)).into_rows();
+            cache.share_layout_as_rows();
         }
         let padded: Vec<Vec<u32>> = prompts
             .iter()
@@ -1031,26 +1033,23 @@ pub struct Generation {
     pub first_logits: Tensor,
 }
 
-/// Additive causal mask `[s, past + s]`: new token i sees every cached entry
-/// and new tokens 0..=i.
-fn causal_mask(s: usize, past: usize, device: &Device) -> Result<Tensor> {
+/// Additive attention mask: new token i sees every cached entry and new
+/// tokens 0..=i, and of a padded batch (`valid`, `[batch * (past + s)]`,
+/// sequence-major) only the entries that are its sequence's. Shape `[s,
+/// past + s]`, or `[batch, 1, 1, s, past + s]` for a padded batch.
+fn attention_mask(
+    s: usize,
+    past: usize,
+    valid: Option<&[bool]>,
+    device: &Device,
+) -> Result<Tensor> {
     let t = past + s;
-    let data: Vec<f32> = (0..s)
-        .flat_map(|i| (0..t).map(move |j| if j <= past + i { 0.0 } else { f32::MIN }))
-        .collect();
-    Ok(Tensor::from_vec(data, (s, t), device)?)
-}
-
-/// Additive mask `[batch, 1, 1, s, past + s]` of a padded batch: new token
-/// i of sequence r sees the entries up to its own slot that are sequence
-/// r's (`valid`, `[batch * (past + s)]`).
-fn padded_mask(valid: &[bool], b: usize, s: usize, past: usize, device: &Device) -> Result<Tensor> {
-    let t = past + s;
+    let b = valid.map_or(1, |v| v.len() / t);
     let data: Vec<f32> = (0..b)
         .flat_map(|r| {
             (0..s).flat_map(move |i| {
                 (0..t).map(move |j| {
-                    if j <= past + i && valid[r * t + j] {
+                    if j <= past + i && valid.is_none_or(|v| v[r * t + j]) {
                         0.0
                     } else {
                         f32::MIN
@@ -1059,7 +1058,10 @@ fn padded_mask(valid: &[bool], b: usize, s: usize, past: usize, device: &Device)
             })
         })
         .collect();
-    Ok(Tensor::from_vec(data, (b, 1, 1, s, t), device)?)
+    Ok(match valid {
+        Some(_) => Tensor::from_vec(data, (b, 1, 1, s, t), device)?,
+        None => Tensor::from_vec(data, (s, t), device)?,
+    })
 }
 
 /// RoPE from per-sequence tables `cos`, `sin` `[b, s, d/2]` on `x`
