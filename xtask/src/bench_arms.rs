@@ -109,15 +109,7 @@ pub fn run(
             let runner =
                 Runner::new(m, &plan, &none, new_tokens, 0).with_batching(Batching::Padded);
             let pairs: Vec<_> = items.iter().map(|it| it.pair()).collect();
-            let jobs: Vec<ItemJob> = pairs
-                .iter()
-                .enumerate()
-                .map(|(i, pair)| ItemJob {
-                    pair,
-                    index: i,
-                    partners: Vec::new(),
-                })
-                .collect();
+            let jobs = ItemJob::without_partners(&pairs);
             let b = bar(
                 jobs.len(),
                 &format!("20-arm grid, {item_batch} items padded"),
@@ -237,15 +229,7 @@ pub fn item_batching(
     let per_item = Runner::new(m, &plan, &none, new_tokens, 0);
     let padded = Runner::new(m, &plan, &none, new_tokens, 0).with_batching(Batching::Padded);
     let pairs: Vec<_> = items.iter().map(|it| it.pair()).collect();
-    let jobs: Vec<ItemJob> = pairs
-        .iter()
-        .enumerate()
-        .map(|(i, pair)| ItemJob {
-            pair,
-            index: i,
-            partners: Vec::new(),
-        })
-        .collect();
+    let jobs = ItemJob::without_partners(&pairs);
     // One untimed item first, so neither way pays the first call's warm-up.
     if let Some(first) = jobs.first() {
         per_item.run_items_timed(std::slice::from_ref(first))?;

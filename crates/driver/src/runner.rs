@@ -76,6 +76,22 @@ pub struct ItemJob<'p> {
     pub partners: Vec<&'p ContextPair>,
 }
 
+impl<'p> ItemJob<'p> {
+    /// One job per pair, indexed in order, without mis-source partners (for
+    /// plans that read none).
+    pub fn without_partners(pairs: &'p [ContextPair]) -> Vec<Self> {
+        pairs
+            .iter()
+            .enumerate()
+            .map(|(index, pair)| ItemJob {
+                pair,
+                index,
+                partners: Vec::new(),
+            })
+            .collect()
+    }
+}
+
 /// Runs a compiled plan on items with one receiver.
 pub struct Runner<'a> {
     model: &'a Model,

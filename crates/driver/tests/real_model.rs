@@ -75,15 +75,7 @@ fn runner_on_the_real_model_matches_plain_generation_and_passes_its_gates() {
     // and questions of different lengths).
     let padded = Runner::new(&ck.model, &plan, &none, 8, 0).with_batching(Batching::Padded);
     let pairs: Vec<_> = sample.items.iter().map(|it| it.pair()).collect();
-    let jobs: Vec<ItemJob> = pairs
-        .iter()
-        .enumerate()
-        .map(|(i, pair)| ItemJob {
-            pair,
-            index: i,
-            partners: Vec::new(),
-        })
-        .collect();
+    let jobs = ItemJob::without_partners(&pairs);
     let together = padded.run_items_timed(&jobs).unwrap();
     for (i, it) in sample.items.iter().enumerate() {
         let b = batched.run_item(&it.pair(), i, &[]).unwrap();
