@@ -145,6 +145,10 @@ pub struct BenchOptions {
     /// Its epochs.
     #[arg(long, default_value_t = 4)]
     pub train_epochs: usize,
+    /// Its training examples a step (1: the one-item recipe; above 1, a
+    /// mini-batch read as one padded batch).
+    #[arg(long, default_value_t = 1)]
+    pub train_batch: usize,
     /// Only the matmul figures: the f32 projection products of the model's
     /// forward (fused qkv, o, fused gate/up, down, LM head) at a prefill's,
     /// a decoding batch's and one row's sizes, in GFLOP/s, through the same
@@ -267,6 +271,7 @@ pub fn run(o: BenchOptions) -> Result<()> {
                     items: o.train_items,
                     slice: o.train_slice,
                     epochs: o.train_epochs,
+                    batch: o.train_batch,
                 },
             )
         }))

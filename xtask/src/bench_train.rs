@@ -21,6 +21,8 @@ pub struct TrainBench<'a> {
     pub slice: usize,
     /// Epochs.
     pub epochs: usize,
+    /// Training examples a step.
+    pub batch: usize,
 }
 
 /// Trains the bridge and returns its figures as JSON.
@@ -33,10 +35,10 @@ pub fn run(
     let text = format!(
         "[run]\nname = \"bench-train\"\n[data]\nsource = \"synthetic\"\nn = 1\n\
          [resources.bridge]\nkind = \"bridge\"\ntargets = \"{}\"\nrank = 16\nalpha = 16.0\n\
-         train_items = {}\nslice_items = {}\nepochs = {}\nlr = 0.0005\nseed = 0\ndata = \"{data_source}\"\n\
+         train_items = {}\nslice_items = {}\nepochs = {}\nbatch = {}\nlr = 0.0005\nseed = 0\ndata = \"{data_source}\"\n\
          arm = {{ inject = [{{ carrier = \"kv\", layers = \"all\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}] }}\n\
          [[arms]]\nname = \"floor\"\nbase = \"masked\"\n",
-        b.targets, b.items, b.slice, b.epochs
+        b.targets, b.items, b.slice, b.epochs, b.batch
     );
     let cfg = SweepConfig::parse(&text)?;
     let spec = match &cfg.resources["bridge"] {
@@ -45,8 +47,8 @@ pub fn run(
     };
     spec.validate("[resources.bridge]", ck.model.config(), &cfg.resources)?;
     eprintln!(
-        "  training a {}-LoRA: {} items + {} slice, {} epochs ({data_source})",
-        b.targets, b.items, b.slice, b.epochs
+        "  training a {}-LoRA: {} items + {} slice, {} epochs, {} a step ({data_source})",
+        b.targets, b.items, b.slice, b.epochs, b.batch
     );
     let (train, value, build_s) = crate::bench_arms::build_fresh(ck, squad, "bridge", &spec, &[])?;
     // The baseline: a full-passage prefill of the first training items.
@@ -75,6 +77,7 @@ pub fn run(
         "train_items": b.items,
         "slice_items": b.slice,
         "epochs": b.epochs,
+        "batch": b.batch,
         "data": data_source,
         "build_s": build_s,
         "build_min": build_s / 60.0,

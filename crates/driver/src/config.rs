@@ -54,10 +54,10 @@ pub struct RunSection {
     pub item_batch: usize,
 }
 
-fn default_item_batch() -> usize {
+pub(crate) fn default_item_batch() -> usize {
     1
 }
-fn is_one(n: &usize) -> bool {
+pub(crate) fn is_one(n: &usize) -> bool {
     *n == 1
 }
 

@@ -1457,6 +1457,8 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
         ("arm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"holder\"", "arm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"other_item\"", "own passes"),
         ("targets = \"q\"", "targets = \"router\"", "router"),
         ("expect = {{ arm = \"kv_augment\" }}", "expect = {{ arm = \"nope\" }}", "expect.arm"),
+        ("lr = 0.01", "lr = 0.01\nbatch = 0", "batch: 0 is outside 1..=4"),
+        ("lr = 0.01", "lr = 0.01\nbatch = 5", "batch: 5 is outside 1..=4"),
     ] {
         let text = std::fs::read_to_string(&cfg).unwrap();
         let from = from.replace("{{", "{").replace("}}", "}");
@@ -1467,6 +1469,53 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
         let e = sweep::run(&bad, &opts("bad")).unwrap_err().to_string();
         assert!(e.contains(want), "{want}: {e}");
         assert!(!dir.path().join("bad/run.json").exists());
+    }
+}
+
+/// A bridge trained in mini-batches (`batch = 2`: two examples a step, read
+/// as one padded batch) is another resource than the one-item bridge (its
+/// own spec and cache entry), trains to a finite curve, and still starts as
+/// the raw arm bit for bit.
+#[test]
+fn a_bridge_trained_in_mini_batches_is_its_own_resource() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let one = bridge_config(dir.path(), &model, 1);
+    let text = std::fs::read_to_string(&one).unwrap();
+    let two = dir.path().join("batch2.toml");
+    std::fs::write(&two, text.replacen("lr = 0.01", "lr = 0.01\nbatch = 2", 1)).unwrap();
+    let cache = dir.path().join("resources");
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    sweep::run(&one, &opts("one")).unwrap();
+    sweep::run(&two, &opts("two")).unwrap();
+    let (m1, m2) = (
+        run_json(&dir.path().join("one")),
+        run_json(&dir.path().join("two")),
+    );
+    assert_ne!(m1["config_hash"], m2["config_hash"]);
+    let qb = &m2["resources"]["qb"];
+    assert_eq!(qb["obtained"], "built", "{qb}");
+    assert_ne!(qb["hash"], m1["resources"]["qb"]["hash"]);
+    assert_eq!(qb["spec"]["batch"], 2);
+    assert!(m1["resources"]["qb"]["spec"].get("batch").is_none());
+    let curve = qb["summary"]["curve"].as_array().unwrap();
+    assert_eq!(curve.len(), 2, "{qb}");
+    assert!(curve[1]["train_loss"].as_f64().unwrap().is_finite(), "{qb}");
+    // Epoch 0 is before any step: the same slice scores as the one-item bridge.
+    assert_eq!(curve[0], m1["resources"]["qb"]["summary"]["curve"][0]);
+    let (names, rows) = rows(&dir.path().join("two/items/cell-00000.parquet"));
+    let arm = col(&names, &rows, "arm");
+    let exact = col(&names, &rows, "bit_exact");
+    let inits: Vec<usize> = (0..arm.len())
+        .filter(|&i| arm[i] == "kv_bridge_init")
+        .collect();
+    assert!(!inits.is_empty());
+    for i in inits {
+        assert_eq!(exact[i], "true", "row {i}");
     }
 }
 

@@ -925,20 +925,40 @@ impl Model {
         spec: &HookSpec,
         opts: &GreedyOptions,
     ) -> Result<Generation> {
-        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
-        let longest = lens.iter().copied().max().unwrap_or(0);
-        if cache.rows().is_none() && lens.iter().all(|&n| n == longest) {
+        if cache.rows().is_none() && prompts.iter().all(|p| p.len() == prompts[0].len()) {
             return self.generate_with(prompts, cache, spec, opts);
         }
+        let first_logits = self.prompt_logits_padded(prompts, cache, spec)?;
+        self.decode_from(&first_logits, cache, opts)
+    }
+
+    /// The logits `[batch, vocab]` at each prompt's last real position, the
+    /// prompts (any lengths) run under `spec` on top of `cache` (any layout,
+    /// [`KvCache::stack_padded`]) and padded at their end; `cache` grows by
+    /// the padded prompts. Differentiable under [`Kernels::Differentiable`]
+    /// (a batch of training examples scored in one pass). Prompts of one
+    /// length on an unpadded cache run unpadded.
+    pub fn prompt_logits_padded(
+        &self,
+        prompts: &[Vec<u32>],
+        cache: &mut KvCache,
+        spec: &HookSpec,
+    ) -> Result<Tensor> {
+        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        let longest = lens.iter().copied().max().unwrap_or(0);
         if lens.len() != cache.batch() {
             return Err(RuntimeError::BadIntervention {
-                site: "generate".into(),
+                site: "prompt".into(),
                 reason: format!(
                     "{} prompts for a batch of {} sequences",
                     lens.len(),
                     cache.batch()
                 ),
             });
+        }
+        if cache.rows().is_none() && lens.iter().all(|&n| n == longest) {
+            let out = self.forward(&self.tokens(prompts)?, cache, spec, LogitsAt::Last)?;
+            return Ok(out.logits.expect("asked for logits").squeeze(1)?);
         }
         if cache.rows().is_none() {
             // One shared layout, prompts of different lengths: padding the
@@ -956,8 +976,7 @@ impl Model {
         let tokens = self.tokens(&padded)?;
         let last: Vec<usize> = lens.iter().map(|&n| n.saturating_sub(1)).collect();
         let out = self.forward_rows(&tokens, cache, spec, LogitsAt::PerRow(last), Some(&lens))?;
-        let first_logits = out.logits.expect("asked for logits").squeeze(1)?;
-        self.decode_from(&first_logits, cache, opts)
+        Ok(out.logits.expect("asked for logits").squeeze(1)?)
     }
 
     /// Greedy decoding from the logits of the last prompt position `[batch, vocab]`.

@@ -11,7 +11,8 @@
 //! gradient. Training then runs the question over that cache with the
 //! adapters and minimises the cross-entropy of the gold answer's first
 //! token at the decision step (the last prompt position); AdamW, one item
-//! per step, `epochs` passes over `train_items` training items in a seeded
+//! per step (`batch = k`: k items a step, their questions read as one
+//! padded batch, the loss their mean), `epochs` passes over `train_items` training items in a seeded
 //! order. After each epoch, and before the first step (epoch 0), the
 //! adapters are scored on a slice of `slice_items` further training items
 //! (first-token accuracy, then mean loss); the best epoch's adapters are
@@ -96,6 +97,16 @@ pub struct BridgeSpec {
     /// Passes over the training items.
     #[serde(default = "four")]
     pub epochs: usize,
+    /// Training examples a step: a mini-batch whose questions are read as
+    /// one padded batch, each over its own cache, the loss their mean. 1
+    /// (the default, one item per step) is the recipe every committed
+    /// bridge was trained with; above 1 it is part of the spec and its hash.
+    /// Adapter bridges only: a router trains one example a step.
+    #[serde(
+        default = "crate::config::default_item_batch",
+        skip_serializing_if = "crate::config::is_one"
+    )]
+    pub batch: usize,
     /// AdamW learning rate.
     #[serde(default = "lr")]
     pub lr: f64,
@@ -543,6 +554,23 @@ fn score(model: &Model, ex: &Example, spec: &HookSpec) -> Result<(Tensor, bool)>
     question_score(model, ex.cache.clone(), &ex.question, ex.target, spec)
 }
 
+/// The mean loss of a mini-batch of examples under `spec`: one example
+/// alone as [`score`] (the one-item recipe, bit for bit); several read
+/// their questions as one padded batch, each over its own cache
+/// ([`KvCache::stack_padded`]), the cross-entropy averaged over them.
+fn batch_loss(model: &Model, batch: &[&Example], spec: &HookSpec) -> Result<Tensor> {
+    if let [one] = batch {
+        return Ok(score(model, one, spec)?.0);
+    }
+    let caches: Vec<&KvCache> = batch.iter().map(|e| &e.cache).collect();
+    let mut cache = KvCache::stack_padded(&caches)?;
+    let questions: Vec<Vec<u32>> = batch.iter().map(|e| e.question.clone()).collect();
+    let logits = model.prompt_logits_padded(&questions, &mut cache, spec)?;
+    let targets: Vec<u32> = batch.iter().map(|e| e.target).collect();
+    let targets = Tensor::new(targets.as_slice(), logits.device())?;
+    Ok(candle_nn::loss::cross_entropy(&logits, &targets)?)
+}
+
 /// The cross-entropy of `target` after `question` over `cache`, and whether
 /// it is the argmax.
 fn question_score(
@@ -595,17 +623,18 @@ struct Trained<S> {
     stopped: Option<(usize, usize)>,
 }
 
-/// The training loop every bridge shares: AdamW on `params`, one example
-/// per step in a seeded order, the slice scored before the first step and
-/// after each epoch, the best epoch (slice accuracy, then loss) kept; a
-/// non-finite loss stops training.
+/// The training loop every bridge shares: AdamW on `params`, `spec.batch`
+/// examples per step (the last step of an epoch takes what is left) in a
+/// seeded order, the slice scored before the first step and after each
+/// epoch, the best epoch (slice accuracy, then loss) kept; a non-finite
+/// loss stops training.
 fn train_loop<S: Clone>(
     spec: &BridgeSpec,
     field: &str,
     n_train: usize,
     params: Vec<Var>,
     snapshot: &dyn Fn() -> Result<S>,
-    step_loss: &dyn Fn(usize) -> Result<Tensor>,
+    step_loss: &dyn Fn(&[usize]) -> Result<Tensor>,
     slice: &dyn Fn(&S) -> Result<(f64, f64)>,
 ) -> Result<Trained<S>> {
     let mut opt = candle_nn::AdamW::new(
@@ -636,8 +665,8 @@ fn train_loop<S: Clone>(
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         let mut total = 0.0;
-        for (step, &i) in order.iter().enumerate() {
-            let loss = step_loss(i)?;
+        for (step, batch) in order.chunks(spec.batch.max(1)).enumerate() {
+            let loss = step_loss(batch)?;
             let value = loss.to_scalar::<f32>()? as f64;
             if !value.is_finite() {
                 bar.finish_and_clear();
@@ -648,9 +677,10 @@ fn train_loop<S: Clone>(
                 stopped = Some((epoch, step + 1));
                 break 'epochs;
             }
-            total += value;
+            // The epoch's mean training loss is over examples.
+            total += value * batch.len() as f64;
             opt.backward_step(&loss)?;
-            bar.inc(1);
+            bar.inc(batch.len() as u64);
             bar.set_message(format!("{:.3}", total / bar.position() as f64));
         }
         bar.finish_and_clear();
@@ -757,6 +787,18 @@ impl ResourceKind for BridgeSpec {
             ));
         }
         super::check_training(field, self.train_items, self.data, "bridges are")?;
+        if self.batch == 0 || self.batch > self.train_items {
+            return err(format!(
+                "batch: {} is outside 1..={} (the training items)",
+                self.batch, self.train_items
+            ));
+        }
+        if self.batch > 1 && self.targets == BridgeTargets::Router {
+            return err(format!(
+                "batch: {}: a router trains one example a step (batch = 1)",
+                self.batch
+            ));
+        }
         if self.slice_items == 0 || self.epochs == 0 {
             return err(format!(
                 "slice_items and epochs must be at least 1 (got {}, {})",
@@ -880,7 +922,13 @@ impl ResourceKind for BridgeSpec {
                 train.len(),
                 vec![wq.clone(), wk.clone()],
                 &snapshot,
-                &|i| Ok(router_score(&diff, &train[i], &live())?.0),
+                &|batch| match batch {
+                    [i] => Ok(router_score(&diff, &train[*i], &live())?.0),
+                    _ => Err(DriverError::Records(format!(
+                        "internal: a router step of {} examples",
+                        batch.len()
+                    ))),
+                },
                 &|s: &Vec<RouterLayer>| slice_scores(&slice, &|e| router_score(model, e, &s[0])),
             )?;
             return Ok(Arc::new(BridgeValue {
@@ -936,9 +984,10 @@ impl ResourceKind for BridgeSpec {
             train.len(),
             params,
             &|| adapters_of(&vars, scale, true),
-            &|i| {
+            &|batch| {
                 let spec = HookSpec::new().adapt_all(adapters_of(&vars, scale, false)?);
-                Ok(score(&diff, &train[i], &spec)?.0)
+                let examples: Vec<&Example> = batch.iter().map(|&i| &*train[i]).collect();
+                batch_loss(&diff, &examples, &spec)
             },
             &|s: &Vec<Adapter>| {
                 let spec = HookSpec::new().adapt_all(s.clone());
@@ -1140,7 +1189,7 @@ impl ResourceKind for BridgeSpec {
 
     fn describe(&self) -> String {
         format!(
-            "bridge targets={:?} rank={} alpha={} layers={} train_items={} slice_items={} epochs={} lr={} seed={}{}{}",
+            "bridge targets={:?} rank={} alpha={} layers={} train_items={} slice_items={} epochs={}{} lr={} seed={}{}{}",
             self.targets,
             self.rank,
             self.alpha,
@@ -1148,6 +1197,11 @@ impl ResourceKind for BridgeSpec {
             self.train_items,
             self.slice_items,
             self.epochs,
+            if self.batch > 1 {
+                format!(" batch={}", self.batch)
+            } else {
+                String::new()
+            },
             self.lr,
             self.seed,
             if self.answer_disjoint { " answer_disjoint" } else { "" },
@@ -1200,6 +1254,156 @@ impl ResourceKind for BridgeSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A mini-batch step (`batch > 1`) minimises the mean of its examples'
+    /// losses: its loss and its gradients on A and B equal the mean of the
+    /// examples scored one at a time, on examples whose caches and
+    /// questions differ in length (the padded batch), under the
+    /// differentiable kernels; a batch of one is the one-item step itself.
+    #[test]
+    fn a_mini_batch_is_the_mean_of_its_examples() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = crate::test_support::tiny_checkpoint(dir.path());
+        let model = ck.model.clone().with_kernels(Kernels::Differentiable);
+        let text = "[run]\nname = \"t\"\n[data]\nsource = \"synthetic\"\nn = 1\n\
+             [resources.lora]\nkind = \"bridge\"\ntargets = \"qkv\"\nrank = 4\ndata = \"synthetic\"\nbatch = 3\n\
+             arm = { inject = [{ carrier = \"kv\", layers = \"all\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }] }\n\
+             [[arms]]\nname = \"floor\"\nbase = \"masked\"\n";
+        let cfg = SweepConfig::parse(text).unwrap();
+        let ResourceSpec::Bridge(spec) = &cfg.resources["lora"] else {
+            panic!("not a bridge")
+        };
+        assert_eq!(spec.batch, 3);
+        let plan = spec.compile("[resources.lora]", model.config()).unwrap();
+        let program = plan.programs.iter().find(|p| p.name == TRAIN_ARM).unwrap();
+        let items = tolerable_probe::sample::sample(
+            &tolerable_probe::synthetic::generate(12, 5),
+            &ck.tokenizer,
+            &tolerable_probe::SplitOptions::default(),
+            3,
+            5,
+        )
+        .unwrap();
+        let set = crate::items::ItemSet::new(items.items, 0, 5).unwrap();
+        let examples: Vec<Example> = (0..3)
+            .map(|i| {
+                let passes = crate::passes::item_passes(
+                    &model,
+                    &set.pairs[i],
+                    &set.partners_of(i),
+                    &plan.needs,
+                    &BTreeMap::new(),
+                )
+                .unwrap();
+                let memo = crate::transforms::Memo::default();
+                let none = BTreeMap::new();
+                let icx = crate::exec::ItemCx {
+                    model: &model,
+                    passes: &passes,
+                    index: i,
+                    seed: 0,
+                    resources: &none,
+                    memo: &memo,
+                };
+                adapter_example(program, &set.items[i], &icx, &ck.tokenizer).unwrap()
+            })
+            .collect();
+        let lens = |f: &dyn Fn(&Example) -> usize| {
+            examples
+                .iter()
+                .map(f)
+                .collect::<std::collections::BTreeSet<_>>()
+                .len()
+        };
+        assert!(
+            lens(&|e| e.cache.len()) > 1 || lens(&|e| e.question.len()) > 1,
+            "the examples must need padding"
+        );
+        // Adapters with B away from zero, so every parameter has a gradient.
+        let cfg = model.config();
+        let mut vars = Vec::new();
+        for l in 0..cfg.n_layers {
+            for (k, p) in spec.projections().into_iter().enumerate() {
+                let out = match p {
+                    Projection::Q => cfg.n_heads * cfg.head_dim,
+                    _ => cfg.n_kv_heads * cfg.head_dim,
+                };
+                let t = |n: usize, shape: (usize, usize), seed: u64| {
+                    Var::from_tensor(
+                        &Tensor::from_vec(
+                            tolerable_carrier::uniform_symmetric(n, 0.3, seed),
+                            shape,
+                            &Device::Cpu,
+                        )
+                        .unwrap(),
+                    )
+                    .unwrap()
+                };
+                let seed = (l * 8 + k) as u64;
+                vars.push((
+                    l,
+                    p,
+                    t(cfg.d_model * 4, (cfg.d_model, 4), seed),
+                    t(4 * out, (4, out), seed + 100),
+                ));
+            }
+        }
+        let hooks = HookSpec::new().adapt_all(adapters_of(&vars, spec.scale(), false).unwrap());
+        let grads_of = |loss: &Tensor| {
+            let g = loss.backward().unwrap();
+            vars.iter()
+                .flat_map(|(_, _, a, b)| [a, b])
+                .map(|v| {
+                    g.get(v.as_tensor())
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                })
+                .collect::<Vec<_>>()
+        };
+        let (mut mean_loss, mut mean_grads) = (0f32, Vec::<Vec<f32>>::new());
+        for e in &examples {
+            let one = batch_loss(&model, &[e], &hooks).unwrap();
+            let (alone, _) = score(&model, e, &hooks).unwrap();
+            assert_eq!(
+                one.to_scalar::<f32>().unwrap(),
+                alone.to_scalar::<f32>().unwrap(),
+                "a batch of one is the one-item step"
+            );
+            mean_loss += one.to_scalar::<f32>().unwrap() / 3.0;
+            let g = grads_of(&one);
+            if mean_grads.is_empty() {
+                mean_grads = vec![Vec::new(); g.len()];
+            }
+            for (m, g) in mean_grads.iter_mut().zip(g) {
+                if m.is_empty() {
+                    *m = vec![0.0; g.len()];
+                }
+                for (m, g) in m.iter_mut().zip(g) {
+                    *m += g / 3.0;
+                }
+            }
+        }
+        let refs: Vec<&Example> = examples.iter().collect();
+        let batch = batch_loss(&model, &refs, &hooks).unwrap();
+        let b = batch.to_scalar::<f32>().unwrap();
+        assert!(
+            (b - mean_loss).abs() < 1e-5 * mean_loss.abs().max(1.0),
+            "batch loss {b}, mean of the examples {mean_loss}"
+        );
+        let grads = grads_of(&batch);
+        for (i, (g, m)) in grads.iter().zip(&mean_grads).enumerate() {
+            let scale = m.iter().fold(0f32, |a, x| a.max(x.abs()));
+            assert!(scale > 0.0, "parameter {i} has no gradient");
+            let worst = g.iter().zip(m).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            assert!(
+                worst <= 1e-4 * scale,
+                "parameter {i}: the batch gradient is off the mean by {worst} (scale {scale})"
+            );
+        }
+    }
     /// The router's training step scores exactly what the evaluation arm
     /// builds: the same item, the same pool and the same maps give the same
     /// first-token loss through `router_score` (training) and through the
