@@ -149,6 +149,9 @@ pub struct BenchOptions {
     /// mini-batch read as one padded batch).
     #[arg(long, default_value_t = 1)]
     pub train_batch: usize,
+    /// Its AdamW learning rate (the configs' 0.0005 by default).
+    #[arg(long, default_value_t = 0.0005)]
+    pub train_lr: f64,
     /// Only the matmul figures: the f32 projection products of the model's
     /// forward (fused qkv, o, fused gate/up, down, LM head) at a prefill's,
     /// a decoding batch's and one row's sizes, in GFLOP/s, through the same
@@ -272,6 +275,7 @@ pub fn run(o: BenchOptions) -> Result<()> {
                     slice: o.train_slice,
                     epochs: o.train_epochs,
                     batch: o.train_batch,
+                    lr: o.train_lr,
                 },
             )
         }))

@@ -23,6 +23,8 @@ pub struct TrainBench<'a> {
     pub epochs: usize,
     /// Training examples a step.
     pub batch: usize,
+    /// AdamW learning rate.
+    pub lr: f64,
 }
 
 /// Trains the bridge and returns its figures as JSON.
@@ -35,10 +37,10 @@ pub fn run(
     let text = format!(
         "[run]\nname = \"bench-train\"\n[data]\nsource = \"synthetic\"\nn = 1\n\
          [resources.bridge]\nkind = \"bridge\"\ntargets = \"{}\"\nrank = 16\nalpha = 16.0\n\
-         train_items = {}\nslice_items = {}\nepochs = {}\nbatch = {}\nlr = 0.0005\nseed = 0\ndata = \"{data_source}\"\n\
+         train_items = {}\nslice_items = {}\nepochs = {}\nbatch = {}\nlr = {:?}\nseed = 0\ndata = \"{data_source}\"\n\
          arm = {{ inject = [{{ carrier = \"kv\", layers = \"all\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}] }}\n\
          [[arms]]\nname = \"floor\"\nbase = \"masked\"\n",
-        b.targets, b.items, b.slice, b.epochs, b.batch
+        b.targets, b.items, b.slice, b.epochs, b.batch, b.lr
     );
     let cfg = SweepConfig::parse(&text)?;
     let spec = match &cfg.resources["bridge"] {
@@ -78,6 +80,7 @@ pub fn run(
         "slice_items": b.slice,
         "epochs": b.epochs,
         "batch": b.batch,
+        "lr": b.lr,
         "data": data_source,
         "build_s": build_s,
         "build_min": build_s / 60.0,
