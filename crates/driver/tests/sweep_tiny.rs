@@ -1451,7 +1451,8 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
     assert_eq!(meta["resources"]["qb"]["obtained"], "cached");
     assert_eq!(meta["resources"]["qb"]["summary"], qb["summary"]);
     // Bad input, named before any work: an unknown bridge, a bridge trained
-    // on another item's states, the router, a gate against a missing arm.
+    // on another item's states, the router, a gate against a missing arm, a
+    // mini-batch of none or of more than the training items.
     for (from, to, want) in [
         ("bridge = {{ resource = \"qb\" }}", "bridge = {{ resource = \"nope\" }}", "bridge.resource"),
         ("arm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"holder\"", "arm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"other_item\"", "own passes"),
@@ -1505,8 +1506,11 @@ fn a_bridge_trained_in_mini_batches_is_its_own_resource() {
     let curve = qb["summary"]["curve"].as_array().unwrap();
     assert_eq!(curve.len(), 2, "{qb}");
     assert!(curve[1]["train_loss"].as_f64().unwrap().is_finite(), "{qb}");
-    // Epoch 0 is before any step: the same slice scores as the one-item bridge.
-    assert_eq!(curve[0], m1["resources"]["qb"]["summary"]["curve"][0]);
+    // Epoch 0 is before any step: the same slice scores as the one-item
+    // bridge; the epoch of two steps of two is not the epoch of four steps.
+    let curve1 = &m1["resources"]["qb"]["summary"]["curve"];
+    assert_eq!(curve[0], curve1[0]);
+    assert_ne!(curve[1]["train_loss"], curve1[1]["train_loss"], "{qb}");
     let (names, rows) = rows(&dir.path().join("two/items/cell-00000.parquet"));
     let arm = col(&names, &rows, "arm");
     let exact = col(&names, &rows, "bit_exact");
@@ -1852,6 +1856,8 @@ fn a_trained_router_learns_its_pool_weights_and_starts_as_the_uniform_router() {
         ("bridge = { resource = \"router\" }\ninject", "inject", "a trained router reads a bridge"),
         // A router bridge on the KV carrier.
         ("arm = { inject = [{ carrier = \"h\", layers = 1", "arm = { inject = [{ carrier = \"kv\", layers = 1", "activation carrier"),
+        // A router in mini-batches.
+        ("lr = 0.05", "lr = 0.05\nbatch = 2", "a router trains one example a step"),
         // A router at two layers.
         ("arm = { inject = [{ carrier = \"h\", layers = 1,", "arm = { inject = [{ carrier = \"h\", layers = [0, 1],", "one layer"),
         // A router bridge whose arm routes uniformly.

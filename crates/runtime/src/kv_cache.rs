@@ -614,6 +614,12 @@ impl KvCache {
         }
     }
 
+    /// Undoes [`KvCache::share_layout_as_rows`] on a cache nothing was
+    /// written to since (a refused call).
+    pub(crate) fn unshare_layout(&mut self) {
+        self.rows = None;
+    }
+
     /// Per sequence, whether each of the cache's entries followed by `s`
     /// new ones (the first `lens[i]` of them real) may be attended to;
     /// `None` for a cache whose sequences share one layout.

@@ -937,7 +937,8 @@ impl Model {
     /// [`KvCache::stack_padded`]) and padded at their end; `cache` grows by
     /// the padded prompts. Differentiable under [`Kernels::Differentiable`]
     /// (a batch of training examples scored in one pass). Prompts of one
-    /// length on an unpadded cache run unpadded.
+    /// length on an unpadded cache run unpadded; prompts of different
+    /// lengths turn an unpadded cache into a padded batch.
     pub fn prompt_logits_padded(
         &self,
         prompts: &[Vec<u32>],
@@ -960,9 +961,10 @@ impl Model {
             let out = self.forward(&self.tokens(prompts)?, cache, spec, LogitsAt::Last)?;
             return Ok(out.logits.expect("asked for logits").squeeze(1)?);
         }
-        if cache.rows().is_none() {
-            // One shared layout, prompts of different lengths: padding the
-            // prompts is enough.
+        // One shared layout, prompts of different lengths: padding the
+        // prompts is enough (undone if the call is refused).
+        let shared = cache.rows().is_none();
+        if shared {
             cache.share_layout_as_rows();
         }
         let padded: Vec<Vec<u32>> = prompts
@@ -975,8 +977,15 @@ impl Model {
             .collect();
         let tokens = self.tokens(&padded)?;
         let last: Vec<usize> = lens.iter().map(|&n| n.saturating_sub(1)).collect();
-        let out = self.forward_rows(&tokens, cache, spec, LogitsAt::PerRow(last), Some(&lens))?;
-        Ok(out.logits.expect("asked for logits").squeeze(1)?)
+        match self.forward_rows(&tokens, cache, spec, LogitsAt::PerRow(last), Some(&lens)) {
+            Ok(out) => Ok(out.logits.expect("asked for logits").squeeze(1)?),
+            Err(e) => {
+                if shared {
+                    cache.unshare_layout();
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Greedy decoding from the logits of the last prompt position `[batch, vocab]`.

@@ -1344,3 +1344,48 @@ fn padded_questions_on_shared_layouts_batches_of_batches_and_written_out_layers(
     let scores = HookSpec::new().capture(HookPoint::AttnScores(1));
     assert_decodes_as_alone(m, mixed, &alone, &qs, &scores);
 }
+
+/// The first logits of padded prompts are each prompt's own last logits
+/// read alone, and a refused call leaves a shared-layout cache as it was
+/// (not turned into a padded batch).
+#[test]
+fn padded_prompt_logits_are_each_prompts_own_and_a_refusal_changes_nothing() {
+    let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
+    let m = &ck.model;
+    let enc = |s: &str| ck.tokenizer.encode(s).unwrap();
+    let a = read(m, &enc("the cat sat on the mat"));
+    let qs = [enc("who"), enc("what is it, and why?")];
+    let mut both = KvCache::stack_padded(&[&a, &a]).unwrap();
+    let logits = m
+        .prompt_logits_padded(&qs, &mut both, &HookSpec::new())
+        .unwrap();
+    assert_eq!(logits.dims(), &[2, m.config().vocab_size]);
+    for (i, q) in qs.iter().enumerate() {
+        let alone = m
+            .forward(
+                &m.tokens(&[q.clone()]).unwrap(),
+                &mut a.clone(),
+                &HookSpec::new(),
+                LogitsAt::Last,
+            )
+            .unwrap()
+            .logits
+            .unwrap()
+            .squeeze(1)
+            .unwrap();
+        let d = max_diff(&logits.narrow(0, i, 1).unwrap(), &alone);
+        assert!(d < 1e-4, "prompt {i}: {d}");
+    }
+    // A token outside the vocabulary: refused, and the cache is untouched.
+    let mut shared = KvCache::stack_padded(&[&a, &a]).unwrap();
+    let before = cache_bits(&shared);
+    let bad = [qs[0].clone(), vec![m.config().vocab_size as u32 + 5, 1]];
+    let e = m
+        .prompt_logits_padded(&bad, &mut shared, &HookSpec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    assert!(shared.rows().is_none());
+    assert_eq!(cache_bits(&shared), before);
+    assert!(shared.narrow(0, 2).is_ok(), "still an ordinary cache");
+}
