@@ -50,11 +50,11 @@ pub struct RunSection {
     /// padded to one length): fewer, larger decoding batches, with the
     /// padding's own float rounding, so 1 (each item's arms alone, by cache
     /// layout) by default; above 1 it is part of the config's hash.
-    #[serde(default = "default_item_batch", skip_serializing_if = "is_one")]
+    #[serde(default = "one", skip_serializing_if = "is_one")]
     pub item_batch: usize,
 }
 
-pub(crate) fn default_item_batch() -> usize {
+pub(crate) fn one() -> usize {
     1
 }
 pub(crate) fn is_one(n: &usize) -> bool {

@@ -925,9 +925,6 @@ impl Model {
         spec: &HookSpec,
         opts: &GreedyOptions,
     ) -> Result<Generation> {
-        if cache.rows().is_none() && prompts.iter().all(|p| p.len() == prompts[0].len()) {
-            return self.generate_with(prompts, cache, spec, opts);
-        }
         let first_logits = self.prompt_logits_padded(prompts, cache, spec)?;
         self.decode_from(&first_logits, cache, opts)
     }

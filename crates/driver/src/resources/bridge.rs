@@ -103,7 +103,7 @@ pub struct BridgeSpec {
     /// bridge was trained with; above 1 it is part of the spec and its hash.
     /// Adapter bridges only: a router trains one example a step.
     #[serde(
-        default = "crate::config::default_item_batch",
+        default = "crate::config::one",
         skip_serializing_if = "crate::config::is_one"
     )]
     pub batch: usize,
