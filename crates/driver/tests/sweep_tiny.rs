@@ -2276,6 +2276,57 @@ fn cross_family_holders_run_through_cached_projections_and_the_identity_reaches_
     }
     let (n2, r2) = rows(&dir.path().join("b/items/cell-00000.parquet"));
     assert_eq!(col(&n2, &r2, "continuation_ids"), cont);
+
+    // In run `a` the SVD projection solved the least-squares one's normal
+    // equations (shared within the invocation); fitted alone, from its own
+    // reads of the passages, it maps every state to the same bits.
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let keep = [
+        "[run]",
+        "[data]",
+        "[resources.cross_svd]",
+        "name = \"floor\"",
+        "name = \"native\"",
+        "name = \"act_replace_cross_svd\"",
+    ];
+    let blocks: Vec<&str> = text
+        .split("\n\n")
+        .map(str::trim)
+        .filter(|b| {
+            keep.iter()
+                .any(|k| b.starts_with(k) || b.contains(&format!("\n{k}\n")))
+        })
+        .collect();
+    assert_eq!(blocks.len(), keep.len(), "{blocks:?}");
+    let alone = dir.path().join("svd-alone.toml");
+    std::fs::write(&alone, blocks.join("\n\n") + "\n").unwrap();
+    let fresh = SweepOptions {
+        out: Some(dir.path().join("svd-alone")),
+        resource_root: Some(dir.path().join("resources-alone")),
+        ..Default::default()
+    };
+    sweep::run(&alone, &fresh).unwrap();
+    let meta3 = read("svd-alone");
+    assert_eq!(meta3["resources"]["cross_svd"]["obtained"], "built");
+    assert_eq!(
+        meta3["resources"]["cross_svd"]["hash"],
+        meta["resources"]["cross_svd"]["hash"]
+    );
+    let (n3, r3) = rows(&dir.path().join("svd-alone/items/cell-00000.parquet"));
+    let (arm3, fid3, cont3) = (
+        col(&n3, &r3, "arm"),
+        col(&n3, &r3, "fidelity_cosine"),
+        col(&n3, &r3, "continuation_ids"),
+    );
+    let alone_rows: Vec<usize> = (0..arm3.len())
+        .filter(|&i| arm3[i] == "act_replace_cross_svd")
+        .collect();
+    let shared_rows = of("act_replace_cross_svd");
+    assert_eq!(alone_rows.len(), shared_rows.len());
+    for (&i, &j) in alone_rows.iter().zip(&shared_rows) {
+        assert_eq!(fid3[i], fid[j], "fidelity, alone against shared");
+        assert_eq!(cont3[i], cont[j], "continuation, alone against shared");
+    }
 }
 
 #[test]

@@ -147,6 +147,71 @@ fn mean(v: &[f64]) -> f64 {
 
 const PARTS: [&str; 3] = ["h", "k", "v"];
 
+/// The normal equations of every receiver layer's three maps (`resid_pre`,
+/// pre-RoPE keys, values) over `items`: each passage read once by the
+/// receiver and once by `holder`, rows at `positions`.
+fn normal_equations(
+    cx: &BuildCx,
+    holder: &crate::cross::CrossHolder,
+    depth: &[usize],
+    positions: &Positions,
+    items: &[SplitItem],
+) -> Result<Vec<[NormalEquations; 3]>> {
+    let r = cx.model.config();
+    let hc = holder.model.config();
+    let all_r: BTreeSet<usize> = (0..r.n_layers).collect();
+    let all_h: BTreeSet<usize> = depth.iter().copied().collect();
+    let (dh, dr) = (hc.d_model, r.d_model);
+    let (kh, kr) = (hc.n_kv_heads * hc.head_dim, r.n_kv_heads * r.head_dim);
+    let mut eq: Vec<[NormalEquations; 3]> = (0..r.n_layers)
+        .map(|_| {
+            [
+                NormalEquations::new(dh, dr),
+                NormalEquations::new(kh, kr),
+                NormalEquations::new(kh, kr),
+            ]
+        })
+        .collect();
+    let bar = ProgressBar::new(items.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("cross projection {bar:30} {pos}/{len} passages eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    for it in items {
+        bar.inc(1);
+        let pair = it.pair();
+        let ids = pair.alt_context();
+        let pos: Vec<usize> = positions
+            .resolve(&crate::passes::geometry(&pair))
+            .into_iter()
+            .filter(|&p| p < ids.len())
+            .collect();
+        if pos.is_empty() {
+            continue;
+        }
+        let idx = Tensor::from_vec(
+            pos.iter().map(|&p| p as u32).collect::<Vec<_>>(),
+            pos.len(),
+            &Device::Cpu,
+        )?;
+        let target = read_rows(cx.model, &ids, &all_r, &all_r, None)?;
+        let (_, input) = read_aligned(holder, cx.train.tokenizer, &ids, &all_h, &all_h)?;
+        for (l, eqs) in eq.iter_mut().enumerate() {
+            let m = depth[l];
+            let pairs = [
+                (&input.resid[&m], &target.resid[&l]),
+                (&input.k[&m], &target.k[&l]),
+                (&input.v[&m], &target.v[&l]),
+            ];
+            for (e, (x, y)) in eqs.iter_mut().zip(pairs) {
+                e.add(&x.index_select(&idx, 0)?, &y.index_select(&idx, 0)?)?;
+            }
+        }
+    }
+    bar.finish_and_clear();
+    Ok(eq)
+}
+
 impl ResourceKind for CrossProjectionSpec {
     fn kind(&self) -> &'static str {
         "cross_projection"
@@ -239,59 +304,27 @@ impl ResourceKind for CrossProjectionSpec {
         let r = cx.model.config().clone();
         let hc = holder.model.config().clone();
         let depth = Self::depth(&hc, &r);
-        let all_r: BTreeSet<usize> = (0..r.n_layers).collect();
-        let all_h: BTreeSet<usize> = depth.iter().copied().collect();
-        let (dh, dr) = (hc.d_model, r.d_model);
-        let (kh, kr) = (hc.n_kv_heads * hc.head_dim, r.n_kv_heads * r.head_dim);
-        let mut eq: Vec<[NormalEquations; 3]> = (0..r.n_layers)
-            .map(|_| {
-                [
-                    NormalEquations::new(dh, dr),
-                    NormalEquations::new(kh, kr),
-                    NormalEquations::new(kh, kr),
-                ]
-            })
-            .collect();
-        let bar = ProgressBar::new(items.len() as u64);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "cross projection {bar:30} {pos}/{len} passages eta {eta}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        // The fit's sufficient statistics depend on the holder, the
+        // passages and the positions only: projections that differ in
+        // their fit (`svd` and its rank, the ridge) share them within an
+        // invocation, so the receiver and the holder read each passage once.
+        let ids: Vec<&str> = items.iter().map(|it| it.item.id.as_str()).collect();
+        let key = format!(
+            "cross normal equations {} {} {} {ids:?}",
+            self.holder,
+            holder.sha256,
+            self.positions.name()
         );
-        for it in items {
-            bar.inc(1);
-            let pair = it.pair();
-            let ids = pair.alt_context();
-            let pos: Vec<usize> = self
-                .positions
-                .resolve(&crate::passes::geometry(&pair))
-                .into_iter()
-                .filter(|&p| p < ids.len())
-                .collect();
-            if pos.is_empty() {
-                continue;
-            }
-            let idx = Tensor::from_vec(
-                pos.iter().map(|&p| p as u32).collect::<Vec<_>>(),
-                pos.len(),
-                &Device::Cpu,
-            )?;
-            let target = read_rows(cx.model, &ids, &all_r, &all_r, None)?;
-            let (_, input) = read_aligned(holder, cx.train.tokenizer, &ids, &all_h, &all_h)?;
-            for (l, eqs) in eq.iter_mut().enumerate() {
-                let m = depth[l];
-                let pairs = [
-                    (&input.resid[&m], &target.resid[&l]),
-                    (&input.k[&m], &target.k[&l]),
-                    (&input.v[&m], &target.v[&l]),
-                ];
-                for (e, (x, y)) in eqs.iter_mut().zip(pairs) {
-                    e.add(&x.index_select(&idx, 0)?, &y.index_select(&idx, 0)?)?;
-                }
-            }
-        }
-        bar.finish_and_clear();
+        let shared = cx.scratch.get_or_make(&key, || {
+            Ok(Arc::new(normal_equations(
+                cx,
+                holder,
+                &depth,
+                &self.positions,
+                items,
+            )?))
+        })?;
+        let eq: &Vec<[NormalEquations; 3]> = downcast(&shared, "cross normal equations")?;
         let rows = eq.first().map(|e| e[0].rows()).unwrap_or(0);
         let rank = self.map_rank(&hc, &r);
         if rows < rank {
@@ -302,7 +335,7 @@ impl ResourceKind for CrossProjectionSpec {
         }
         let mut maps: [Vec<AffineMap>; 3] = Default::default();
         let mut explained: [Vec<f64>; 3] = Default::default();
-        for eqs in &eq {
+        for eqs in eq {
             for (c, e) in eqs.iter().enumerate() {
                 let map = e.solve(self.ridge(), self.rank)?;
                 explained[c].push(e.explained(&map)?);

@@ -107,7 +107,9 @@ pub struct BuildCx<'a> {
     /// Cross-family holders of the plan by model id, loaded.
     pub holders: &'a BTreeMap<String, crate::cross::CrossHolder>,
     /// Work shared by the resources built in one invocation (the training
-    /// caches of bridges trained under the same arm on the same items).
+    /// caches of bridges trained under the same arm on the same items; the
+    /// normal equations of cross-family projections from the same holder
+    /// on the same passages).
     pub scratch: &'a Scratch,
 }
 
