@@ -221,7 +221,7 @@ fn matmul_figures(ck: &Checkpoint, prompt_tokens: usize, reps: usize) -> Result<
             out.push(fig);
         }
     }
-    Ok(serde_json::json!({ "backend": tolerable_runtime::MATMUL_BACKEND, "products": out }))
+    Ok(serde_json::json!({ "backend": tolerable_runtime::matmul_backend(false), "products": out }))
 }
 
 /// The driver's figures: the 20-arm grid (unless skipped), item batching
@@ -358,7 +358,7 @@ pub fn run(o: BenchOptions) -> Result<()> {
         "prefill_s": { "ours_f32": ours_f32, "ours_f32_capture_all": ours_cap, "candle_f32": cand_f32 },
         "prefill_tok_per_s_ours_f32": n as f64 / ours_f32,
         "decode_tok_per_s": { "f32_batch1": dec1, "f32_batch16": dec16, "candle_f32_batch1": cand_dec1, "f32_batch1_row_kernel": dec1_row },
-        "backend": tolerable_runtime::MATMUL_BACKEND,
+        "backend": tolerable_runtime::matmul_backend(false),
         "machine": tolerable_runtime::machine(),
         "hooks_off_vs_candle": ours_f32 / cand_f32,
         "prefill_vs_candle": ours_f32 / cand_f32,

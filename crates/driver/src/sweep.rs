@@ -215,11 +215,57 @@ fn check_out_dir(dir: &Path, hash: &str) -> Result<()> {
                 ),
             });
         }
+        if !records::cell_files(dir)?.is_empty() {
+            check_kernels_unchanged(dir, &v, tolerable_runtime::avx512_kernels())?;
+        }
     } else if !records::cell_files(dir)?.is_empty() {
         return Err(DriverError::OutDir {
             dir: dir.display().to_string(),
             reason: "it holds item files but no run.json".into(),
         });
+    }
+    Ok(())
+}
+
+/// Refuses to add cells to a run whose finished cells were computed with
+/// other matmul kernels than this process's (gemm's AVX-512 kernels, the
+/// `avx512` build feature on a CPU with avx512f, against its default
+/// AVX2/FMA ones): the kernels round differently, so one run's rows would
+/// mix two computations. `meta` is the run's run.json.
+pub(crate) fn check_kernels_unchanged(
+    dir: &Path,
+    meta: &serde_json::Value,
+    avx512_now: bool,
+) -> Result<()> {
+    let recorded = meta["invocations"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|i| &i["matmul_backend"])
+        .chain(std::iter::once(&meta["matmul_backend"]))
+        .filter_map(|b| b.as_str());
+    for backend in recorded {
+        let avx512_then = backend.contains(tolerable_runtime::AVX512_KERNELS);
+        if avx512_then != avx512_now {
+            let kernels = |a: bool| {
+                if a {
+                    "gemm's AVX-512 kernels"
+                } else {
+                    "gemm's default (AVX2/FMA) kernels"
+                }
+            };
+            return Err(DriverError::OutDir {
+                dir: dir.display().to_string(),
+                reason: format!(
+                    "its finished cells were computed with {} (`{backend}`), this build uses {}; \
+                     the kernels round differently, so the cells cannot be merged (build {} the \
+                     `avx512` feature, or run into another --out)",
+                    kernels(avx512_then),
+                    kernels(avx512_now),
+                    if avx512_then { "with" } else { "without" },
+                ),
+            });
+        }
     }
     Ok(())
 }
@@ -1233,6 +1279,57 @@ fn finish(cfg: &SweepConfig, dir: &Path, n_cells: usize, computed: usize) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_is_not_resumed_with_other_matmul_kernels() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        std::fs::create_dir_all(run.join("items")).unwrap();
+        let default = tolerable_runtime::MATMUL_BACKEND.to_string();
+        let avx512 = format!("{default}{}", tolerable_runtime::AVX512_KERNELS);
+        let meta = |b: &str| {
+            serde_json::json!({
+                "config_hash": "h",
+                "matmul_backend": b,
+                "invocations": [{ "matmul_backend": default.clone() }, { "matmul_backend": b }],
+            })
+        };
+        // Kernels as recorded: fine; the other kernels: refused, naming both.
+        check_kernels_unchanged(&run, &meta(&default), false).unwrap();
+        let e = check_kernels_unchanged(&run, &meta(&default), true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("AVX-512") && e.contains("cannot be merged"),
+            "{e}"
+        );
+        // One invocation with AVX-512 among default ones: refused either way.
+        for now in [false, true] {
+            assert!(check_kernels_unchanged(&run, &meta(&avx512), now).is_err());
+        }
+        // Through the output-folder check: only once cells exist, and with
+        // this build's own kernels.
+        let other = if tolerable_runtime::avx512_kernels() {
+            &default
+        } else {
+            &avx512
+        };
+        let other_meta = serde_json::json!({
+            "config_hash": "h",
+            "matmul_backend": other,
+            "invocations": [{ "matmul_backend": other }],
+        });
+        std::fs::write(run.join("run.json"), other_meta.to_string()).unwrap();
+        check_out_dir(&run, "h").unwrap();
+        std::fs::write(run.join("items/cell-00000.parquet"), b"x").unwrap();
+        let e = check_out_dir(&run, "h").unwrap_err().to_string();
+        assert!(e.contains("round differently"), "{e}");
+        let mine = tolerable_runtime::matmul_backend(false);
+        let own = serde_json::json!({ "config_hash": "h", "matmul_backend": mine,
+            "invocations": [{ "matmul_backend": mine }] });
+        std::fs::write(run.join("run.json"), own.to_string()).unwrap();
+        check_out_dir(&run, "h").unwrap();
+    }
 
     #[test]
     fn an_output_folder_without_room_is_refused_before_any_work() {

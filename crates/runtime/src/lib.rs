@@ -26,7 +26,9 @@ pub use hooks::{Adapter, Edit, HookCache, HookPoint, HookSpec, Intervention, Pro
 pub use kv_cache::{KvCache, LayerKv, RowLayout, Segment, SegmentKind};
 pub use machine::{machine, Machine};
 pub use model::{ForwardOutput, Generation, GreedyOptions, Kernels, LogitsAt, Model};
-pub use weights::{matmul_backend, Precision, Proj, MATMUL_BACKEND};
+pub use weights::{
+    avx512_kernels, matmul_backend, Precision, Proj, AVX512_KERNELS, MATMUL_BACKEND,
+};
 pub mod tokenizer;
 pub use checkpoint::Checkpoint;
 pub use tokenizer::{Spans, Tokenizer};

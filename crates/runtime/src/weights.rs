@@ -46,13 +46,39 @@ impl std::str::FromStr for Precision {
 /// in every run's `run.json` and in the bench).
 pub const MATMUL_BACKEND: &str = "candle CPU matmul (gemm crate)";
 
-/// The backend as a run records it: [`MATMUL_BACKEND`], and whether
-/// single-row products took the one-row kernel instead.
+/// The backend as a run records it: [`MATMUL_BACKEND`], whether gemm's
+/// AVX-512 kernels do the products (see [`avx512_kernels`]), and whether
+/// single-row products took the one-row kernel instead. The default build
+/// on any CPU records [`MATMUL_BACKEND`] alone, as every run before the
+/// AVX-512 option did.
 pub fn matmul_backend(row_kernel: bool) -> String {
+    let mut s = MATMUL_BACKEND.to_string();
+    if avx512_kernels() {
+        s.push_str(AVX512_KERNELS);
+    }
     if row_kernel {
-        format!("{MATMUL_BACKEND}; single rows by tolerable's one-row kernel")
-    } else {
-        MATMUL_BACKEND.to_string()
+        s.push_str("; single rows by tolerable's one-row kernel");
+    }
+    s
+}
+
+/// What [`matmul_backend`] adds when gemm's AVX-512 kernels are in use; a
+/// run whose records say it computed with other kernels than this build's
+/// is not resumed by it (float rounding differs between the kernels).
+pub const AVX512_KERNELS: &str = "; AVX-512 kernels (gemm x86-v4)";
+
+/// Whether gemm's AVX-512 kernels do this process's f32 products: the
+/// build has the `avx512` feature and the CPU offers avx512f (gemm chooses
+/// its kernels by the CPU at run time; without the feature it uses its
+/// AVX2/FMA kernels on every x86-64 CPU that has them).
+pub fn avx512_kernels() -> bool {
+    #[cfg(all(feature = "avx512", target_arch = "x86_64"))]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(all(feature = "avx512", target_arch = "x86_64")))]
+    {
+        false
     }
 }
 
@@ -419,6 +445,49 @@ mod tests {
             .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0) - 1.0)
             .collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn the_recorded_backend_names_the_kernels_the_build_and_cpu_choose() {
+        let b = matmul_backend(false);
+        assert!(b.starts_with(MATMUL_BACKEND), "{b}");
+        // AVX-512 only with the feature and a CPU that has it.
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            avx512_kernels(),
+            cfg!(feature = "avx512") && std::arch::is_x86_feature_detected!("avx512f")
+        );
+        assert_eq!(b.contains(AVX512_KERNELS), avx512_kernels(), "{b}");
+        if !avx512_kernels() {
+            // The default build records what every earlier run recorded.
+            assert_eq!(b, MATMUL_BACKEND);
+        }
+        let r = matmul_backend(true);
+        assert!(
+            r.ends_with("single rows by tolerable's one-row kernel"),
+            "{r}"
+        );
+        // Products agree with a plain sum to float rounding whichever
+        // kernels run (here at a prefill's and a decoding batch's rows).
+        for rows in [3, 40, 300] {
+            let (k, n) = (96, 80);
+            let x = seeded((rows, k), 3);
+            let w = seeded((n, k), 4);
+            let y = Proj::Dense(w.clone())
+                .forward(&x.reshape((1, rows, k)).unwrap())
+                .unwrap()
+                .reshape((rows, n))
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let (xv, wv) = (x.to_vec2::<f32>().unwrap(), w.to_vec2::<f32>().unwrap());
+            for i in [0, rows / 2, rows - 1] {
+                for j in [0, n / 3, n - 1] {
+                    let want: f64 = (0..k).map(|t| xv[i][t] as f64 * wv[j][t] as f64).sum();
+                    assert!((y[i][j] as f64 - want).abs() < 1e-4, "{rows} rows: {i},{j}");
+                }
+            }
+        }
     }
 
     #[test]
