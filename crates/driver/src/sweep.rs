@@ -227,7 +227,8 @@ fn check_out_dir(dir: &Path, hash: &str) -> Result<()> {
     Ok(())
 }
 
-/// Refuses to add cells to a run whose finished cells were computed with
+/// Refuses to add cells (a sweep's) or units (a measurement's) to a run
+/// whose finished records were computed with
 /// other matmul kernels than this process's (gemm's AVX-512 kernels, the
 /// `avx512` build feature on a CPU with avx512f, against its default
 /// AVX2/FMA ones): the kernels round differently, so one run's rows would
@@ -257,8 +258,8 @@ pub(crate) fn check_kernels_unchanged(
             return Err(DriverError::OutDir {
                 dir: dir.display().to_string(),
                 reason: format!(
-                    "its finished cells were computed with {} (`{backend}`), this build uses {}; \
-                     the kernels round differently, so the cells cannot be merged (build {} the \
+                    "its finished records were computed with {} (`{backend}`), this build uses {}; \
+                     the kernels round differently, so they cannot be merged (build {} the \
                      `avx512` feature, or run into another --out)",
                     kernels(avx512_then),
                     kernels(avx512_now),

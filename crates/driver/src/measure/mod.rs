@@ -341,8 +341,15 @@ pub struct RunDir {
 
 impl RunDir {
     /// The folder `dir`, after checking that it is empty of runs or holds
-    /// a run of this config (hash `hash`).
+    /// a run of this config (hash `hash`) whose finished units were
+    /// computed with this build's matmul kernels
+    /// ([`crate::sweep::check_kernels_unchanged`]).
     pub fn open(dir: &Path, hash: &str, unit_dirs: &[&str]) -> Result<Self> {
+        let has_units = unit_dirs.iter().find(|sub| {
+            std::fs::read_dir(dir.join(sub))
+                .map(|mut it| it.next().is_some())
+                .unwrap_or(false)
+        });
         let meta = dir.join("run.json");
         if meta.exists() {
             let v = read_json(&meta).map_err(|e| DriverError::OutDir {
@@ -358,19 +365,18 @@ impl RunDir {
                     ),
                 });
             }
-        } else {
-            for sub in unit_dirs {
-                let d = dir.join(sub);
-                let any = std::fs::read_dir(&d)
-                    .map(|mut it| it.next().is_some())
-                    .unwrap_or(false);
-                if any {
-                    return Err(DriverError::OutDir {
-                        dir: dir.display().to_string(),
-                        reason: format!("it holds files under {sub}/ but no run.json"),
-                    });
-                }
+            if has_units.is_some() {
+                crate::sweep::check_kernels_unchanged(
+                    dir,
+                    &v,
+                    tolerable_runtime::avx512_kernels(),
+                )?;
             }
+        } else if let Some(sub) = has_units {
+            return Err(DriverError::OutDir {
+                dir: dir.display().to_string(),
+                reason: format!("it holds files under {sub}/ but no run.json"),
+            });
         }
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -823,6 +829,43 @@ impl LogitReference {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn a_measurement_is_not_resumed_with_other_matmul_kernels() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        std::fs::create_dir_all(run.join("units")).unwrap();
+        let other = if tolerable_runtime::avx512_kernels() {
+            tolerable_runtime::MATMUL_BACKEND.to_string()
+        } else {
+            format!(
+                "{}{}",
+                tolerable_runtime::MATMUL_BACKEND,
+                tolerable_runtime::AVX512_KERNELS
+            )
+        };
+        let meta = |b: &str| {
+            serde_json::json!({ "config_hash": "h", "matmul_backend": b,
+                "invocations": [{ "matmul_backend": b }] })
+            .to_string()
+        };
+        std::fs::write(run.join("run.json"), meta(&other)).unwrap();
+        // No unit yet: nothing to mix.
+        RunDir::open(&run, "h", &["units"]).unwrap();
+        std::fs::write(run.join("units/ctx.parquet"), b"x").unwrap();
+        let e = RunDir::open(&run, "h", &["units"]).unwrap_err().to_string();
+        assert!(e.contains("round differently"), "{e}");
+        std::fs::write(
+            run.join("run.json"),
+            meta(&tolerable_runtime::matmul_backend(false)),
+        )
+        .unwrap();
+        RunDir::open(&run, "h", &["units"]).unwrap();
+        // Units without run.json: refused, naming the folder.
+        std::fs::remove_file(run.join("run.json")).unwrap();
+        let e = RunDir::open(&run, "h", &["units"]).unwrap_err().to_string();
+        assert!(e.contains("under units/ but no run.json"), "{e}");
+    }
 
     #[test]
     fn the_reference_kl_is_the_stats_kl() {
