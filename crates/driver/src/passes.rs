@@ -8,7 +8,7 @@ use crate::error::{DriverError, Result};
 use crate::sources::PassRef;
 use candle_core::Tensor;
 use std::collections::{BTreeMap, BTreeSet};
-use tolerable_carrier::Geometry;
+use tolerable_carrier::{Geometry, Positions};
 use tolerable_probe::ContextPair;
 use tolerable_runtime::{HookPoint, HookSpec, KvCache, LogitsAt, Model};
 
@@ -85,6 +85,18 @@ pub fn geometry(pair: &ContextPair) -> Geometry {
         context_len: pair.base_len(),
         fact: pair.focus.clone(),
     }
+}
+
+/// The positions `positions` names in `pair`'s full-passage (alternative)
+/// context, those past its end dropped: the rows a fitted resource reads
+/// from a passage.
+pub fn alt_sites(positions: Positions, pair: &ContextPair) -> Vec<usize> {
+    let len = pair.alt_len();
+    positions
+        .resolve(&geometry(pair))
+        .into_iter()
+        .filter(|&p| p < len)
+        .collect()
 }
 
 fn capture(layers: &BTreeSet<usize>) -> HookSpec {

@@ -181,11 +181,7 @@ fn normal_equations(
         bar.inc(1);
         let pair = it.pair();
         let ids = pair.alt_context();
-        let pos: Vec<usize> = positions
-            .resolve(&crate::passes::geometry(&pair))
-            .into_iter()
-            .filter(|&p| p < ids.len())
-            .collect();
+        let pos = crate::passes::alt_sites(*positions, &pair);
         if pos.is_empty() {
             continue;
         }
@@ -271,15 +267,7 @@ impl ResourceKind for CrossProjectionSpec {
         let rank = self.map_rank(&holder, cx.receiver);
         let rows: usize = items
             .iter()
-            .map(|it| {
-                let pair = it.pair();
-                let len = pair.alt_len();
-                self.positions
-                    .resolve(&crate::passes::geometry(&pair))
-                    .into_iter()
-                    .filter(|&p| p < len)
-                    .count()
-            })
+            .map(|it| crate::passes::alt_sites(self.positions, &it.pair()).len())
             .sum();
         if rows < rank {
             return Err(DriverError::Config(format!(

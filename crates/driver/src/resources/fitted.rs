@@ -210,12 +210,7 @@ impl ResourceKind for KeyPairsSpec {
             bar.inc(1);
             let pair = it.pair();
             let ctx = pair.alt_context();
-            let pos: Vec<usize> = self
-                .positions
-                .resolve(&crate::passes::geometry(&pair))
-                .into_iter()
-                .filter(|&p| p < ctx.len())
-                .collect();
+            let pos = crate::passes::alt_sites(self.positions, &pair);
             if pos.is_empty() {
                 continue;
             }
