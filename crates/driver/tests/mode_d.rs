@@ -136,7 +136,7 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
     let cfg = config(
         dir.path(),
         &model,
-        "taus = [0.05, 0.2]\nlayers = \"all\"\ncontexts = \"builtin\"\nselect = [\"py_matrix.py\", \"go_queue.go\"]",
+        "taus = [0.05, 0.2]\nlayers = \"all\"\ncontexts = \"builtin\"\nselect = [\"py_matrix.py\", \"go_queue.go\"]\nvariants = [\"edit_site\", \"archetype_mean\", \"zero\"]",
     );
     let out = dir.path().join("run");
     let t0 = std::time::Instant::now();
@@ -221,6 +221,44 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
             assert!(r.value <= 0.0, "{r:?}");
         }
     }
+    // The edit-site delta costs one subtraction and one addition per
+    // downstream position over the zero variant; where a pure deletion
+    // leaves no edited token, also the edited text's first downstream token
+    // through the blocks below l.
+    let d_model = meta["model"]["config"]["d_model"].as_f64().unwrap();
+    let key = |r: &MeasureRow| (r.context.clone().unwrap(), r.archetype.clone().unwrap());
+    let geometry = |k: &(String, String), metric: &str| {
+        units
+            .iter()
+            .find(|r| r.measurement == "geometry" && r.metric == metric && key(r) == *k)
+            .unwrap()
+            .value
+    };
+    let mut deletions_charged = 0;
+    for r in units
+        .iter()
+        .filter(|r| r.metric == "flops_mode_d" && r.variant.as_deref() == Some("edit_site"))
+    {
+        let k = key(r);
+        let zero = units
+            .iter()
+            .find(|z| {
+                z.metric == "flops_mode_d"
+                    && z.variant.as_deref() == Some("zero")
+                    && z.layer == r.layer
+                    && key(z) == k
+            })
+            .unwrap();
+        let observe = d_model + geometry(&k, "downstream") * d_model;
+        let extra = r.value - zero.value;
+        if geometry(&k, "edit_span_edited") == 0.0 && r.layer != Some(0) {
+            assert!(extra > observe, "{r:?}");
+            deletions_charged += 1;
+        } else {
+            assert_eq!(extra, observe, "{r:?}");
+        }
+    }
+    assert!(deletions_charged > 0, "no pair without an edited token");
     assert_eq!(
         meta["skipped"].as_array().unwrap().len(),
         units.iter().filter(|r| r.measurement == "skip").count()

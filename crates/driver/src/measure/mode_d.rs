@@ -551,7 +551,11 @@ impl PairPasses {
         Ok((self.edit_downstream(l)? - self.orig_downstream(l)?)?)
     }
 
-    /// The delta at the first differing position at layer `l`, `[1, 1, d]`.
+    /// The delta observed at the edit site at layer `l`, `[1, 1, d]`: the
+    /// edited minus the original state at the first differing position. For
+    /// a pure insertion the original's side is its first downstream token,
+    /// for a pure deletion the edited side is (Mode D is charged for
+    /// computing it through the blocks below `l`).
     pub fn edit_site_delta(&self, l: usize) -> Result<Tensor> {
         let s = self.geometry.shared;
         Ok((self.edit[l].narrow(1, s, 1)? - self.orig[l].narrow(1, s, 1)?)?)
@@ -925,7 +929,25 @@ pub fn measure_pair(
             let t0 = Instant::now();
             let (delta, flops_delta) = match v {
                 // One subtraction, then one addition per downstream position.
-                Variant::EditSite => (Some(p.edit_site_delta(l)?), (d + c * d) as f64),
+                // A pure deletion leaves no edited token to observe: the edit
+                // site is then the edited text's first downstream token, which
+                // Mode D must compute through the blocks below `l` (charged
+                // as such; timed as one token through every block, an upper
+                // bound on that work).
+                Variant::EditSite => {
+                    let mut observe = (d + c * d) as f64;
+                    if g.d_alt == g.shared && l > 0 {
+                        let mut cc = prefix.clone();
+                        model.forward(
+                            &model.tokens(&[p.alt_tokens[g.shared..g.shared + 1].to_vec()])?,
+                            &mut cc,
+                            &HookSpec::new(),
+                            LogitsAt::None,
+                        )?;
+                        observe += f.tokens(g.shared, g.shared + 1, l);
+                    }
+                    (Some(p.edit_site_delta(l)?), observe)
+                }
                 Variant::Zero => (None, 0.0),
                 // A mean over k contexts, then the additions.
                 Variant::ArchetypeMean => match loo_mean(table, &pair.meta.context, arch, l)? {
