@@ -523,15 +523,27 @@ impl PairPasses {
     pub fn edited_prefix(&self, model: &Model) -> Result<KvCache> {
         let g = self.geometry;
         let mut c = self.orig_cache.truncate(g.shared)?;
-        if g.d_alt > g.shared {
+        self.run_edited(model, g.shared..g.d_alt, &mut c)?;
+        Ok(c)
+    }
+
+    /// Runs the edited text's tokens `range` through every block on top of
+    /// `cache` (nothing when the range is empty).
+    pub fn run_edited(
+        &self,
+        model: &Model,
+        range: std::ops::Range<usize>,
+        cache: &mut KvCache,
+    ) -> Result<()> {
+        if !range.is_empty() {
             model.forward(
-                &model.tokens(&[self.alt_tokens[g.shared..g.d_alt].to_vec()])?,
-                &mut c,
+                &model.tokens(&[self.alt_tokens[range].to_vec()])?,
+                cache,
                 &HookSpec::new(),
                 LogitsAt::None,
             )?;
         }
-        Ok(c)
+        Ok(())
     }
 
     /// The original's states at the downstream positions at layer `l`, `[1, c, d]`.
@@ -937,13 +949,7 @@ pub fn measure_pair(
                 Variant::EditSite => {
                     let mut observe = (d + c * d) as f64;
                     if g.d_alt == g.shared && l > 0 {
-                        let mut cc = prefix.clone();
-                        model.forward(
-                            &model.tokens(&[p.alt_tokens[g.shared..g.shared + 1].to_vec()])?,
-                            &mut cc,
-                            &HookSpec::new(),
-                            LogitsAt::None,
-                        )?;
+                        p.run_edited(model, g.shared..g.shared + 1, &mut prefix.clone())?;
                         observe += f.tokens(g.shared, g.shared + 1, l);
                     }
                     (Some(p.edit_site_delta(l)?), observe)
