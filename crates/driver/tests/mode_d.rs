@@ -801,6 +801,13 @@ fn a_skipped_archetype_is_recorded() {
     }
     let report = std::fs::read_to_string(tolerable_driver::report::write(&out).unwrap()).unwrap();
     assert!(report.contains("agreement zero"), "{report}");
+    // Each delta variant is read against the zero delta at its layer: a
+    // column per variant in the per-layer table, a headline row.
+    for v in ["edit_site", "archetype_mean"] {
+        assert!(report.contains(&format!("KL zero / KL {v}")), "{report}");
+    }
+    assert!(report.contains("the delta's own gain"), "{report}");
+    assert!(!report.contains("KL zero / KL zero"), "{report}");
 }
 
 /// Mode D on the real 0.5B, two contexts, four injection layers (minutes on

@@ -246,6 +246,36 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
             red_cells.join("; ")
         }
     );
+    // The delta's own share of the reduction: stale reuse's KL is the same
+    // at every l, so KL(stale) / KL(Mode D) also credits the recompute of
+    // blocks l..L; the zero delta (no edit information, the same recompute)
+    // isolates what the delta adds.
+    let zero_kl = by_layer(&rows, "mode_d", "kl_mode_d", Some("zero"), None);
+    let mut over_zero_cells = Vec::new();
+    if !zero_kl.is_empty() {
+        for &v in variants.iter().filter(|&&v| v != "zero") {
+            let k = by_layer(&rows, "mode_d", "kl_mode_d", Some(v), None);
+            let r = early
+                .iter()
+                .filter_map(|l| Some(zero_kl.get(l)?.0 / k.get(l)?.0));
+            if let Some((lo, hi)) = range(r) {
+                over_zero_cells.push(if lo == hi {
+                    format!("{v} {}", ratio(lo))
+                } else {
+                    format!("{v} {} to {}", ratio(lo), ratio(hi))
+                });
+            }
+        }
+        let _ = writeln!(
+            md,
+            "| KL(full ‖ Mode D, zero delta) / KL(full ‖ Mode D), early layers: the delta's own gain over recomputing blocks l..L without it | – (not reported) | {} |",
+            if over_zero_cells.is_empty() {
+                "–".into()
+            } else {
+                over_zero_cells.join("; ")
+            }
+        );
+    }
     let mut save_cells = Vec::new();
     for &v in &variants {
         let f = by_layer(&rows, "compute", "saving_vs_prefix_reuse", Some(v), None);
@@ -305,6 +335,10 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
             " agreement {v} | KL {v} | KL reduction {v} | FLOPs saved vs prefix ({v}) | time saved vs prefix ({v}) |"
         ));
         sep.push_str("---|---|---|---|---|");
+        if v != "zero" && !zero_kl.is_empty() {
+            head.push_str(&format!(" KL zero / KL {v} |"));
+            sep.push_str("---|");
+        }
     }
     head.push_str(" oracle KL |");
     sep.push_str("---|");
@@ -333,7 +367,7 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     };
     for &l in &inj {
         let mut line = format!("| {l} |");
-        for t in &tables {
+        for (t, &v) in tables.iter().zip(&variants) {
             line.push_str(&format!(
                 " {} | {} | {} | {} | {} |",
                 cell(&t[0], l, &|x| format!("{x:.3}")),
@@ -342,6 +376,13 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
                 cell(&t[3], l, &|x| pct(x)),
                 cell(&t[4], l, &|x| pct(x)),
             ));
+            if v != "zero" && !zero_kl.is_empty() {
+                let r = zero_kl.get(&l).zip(t[1].get(&l)).map(|(z, k)| z.0 / k.0);
+                line.push_str(&format!(
+                    " {} |",
+                    r.map(ratio).unwrap_or_else(|| "–".into())
+                ));
+            }
         }
         line.push_str(&format!(" {} |", cell(&oracle, l, &|x| format!("{x:.1e}"))));
         let _ = writeln!(md, "{line}");
