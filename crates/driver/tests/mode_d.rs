@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use tolerable_driver::measure::mode_d::{
     self, mode_d_logits, pair_passes, ModeDSpec, PairGeometry, ORACLE_KL_TOLERANCE,
+    ORACLE_POSITION_KL_TOLERANCE,
 };
 use tolerable_driver::measure::{self, Comparison, LogitReference, MeasureConfig, MeasureOptions};
 use tolerable_driver::records::{columns, read_parquet, MeasureRow};
@@ -160,6 +161,10 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
     assert_eq!(meta["model"]["config"]["n_layers"], 3);
     assert_eq!(meta["oracle"]["status"], "passed");
     assert_eq!(meta["oracle"]["kl_tolerance"], ORACLE_KL_TOLERANCE);
+    assert_eq!(
+        meta["oracle"]["position_kl_tolerance"],
+        ORACLE_POSITION_KL_TOLERANCE
+    );
     assert_eq!(meta["invocations"].as_array().unwrap().len(), 1);
     let n_pairs = meta["corpus"]["pairs"].as_u64().unwrap() as usize;
     assert!(n_pairs >= 8, "{n_pairs} pairs");
@@ -389,6 +394,11 @@ fn the_oracle_gate_fails_on_one_disagreement_or_a_kl_at_the_tolerance() {
     }));
     assert!(!oracle_passes(&Comparison {
         kl_mean: ORACLE_KL_TOLERANCE,
+        ..ok
+    }));
+    // One position the oracle misses fails the gate however small the mean.
+    assert!(!oracle_passes(&Comparison {
+        kl_max: ORACLE_POSITION_KL_TOLERANCE,
         ..ok
     }));
 

@@ -5,7 +5,7 @@
 //! (a line per delta variant, the 0.99 line drawn), and the compute saved
 //! against the injection layer with prefix KV reuse as a horizontal line.
 
-use super::mode_d::{read_summary, ORACLE_KL_TOLERANCE, VARIANTS};
+use super::mode_d::{read_summary, ORACLE_KL_TOLERANCE, ORACLE_POSITION_KL_TOLERANCE, VARIANTS};
 use super::read_json;
 use crate::error::{io, DriverError, Result};
 use crate::records::MeasureRow;
@@ -128,13 +128,15 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     let o = &meta["oracle"];
     let _ = writeln!(
         md,
-        "- gates: {}; oracle gate: {} ({} pairs x {} injection layers; worst mean KL {:.2e} nats, tolerance {:e}; min agreement {}, ties {})",
+        "- gates: {}; oracle gate: {} ({} pairs x {} injection layers; worst mean KL {:.2e} nats, tolerance {:e}; worst position KL {:.2e} nats, tolerance {:e}; min agreement {}, ties {})",
         if meta["gates"]["passed"] == true { "passed" } else { "FAILED" },
         o["status"].as_str().unwrap_or("?"),
         o["pairs_checked"],
         o["layers"].as_array().map(|a| a.len()).unwrap_or(0),
         o["worst_mean_kl"].as_f64().unwrap_or(f64::NAN),
         ORACLE_KL_TOLERANCE,
+        o["worst_position_kl"].as_f64().unwrap_or(f64::NAN),
+        ORACLE_POSITION_KL_TOLERANCE,
         o["min_agreement"],
         o["ties"]
     );
