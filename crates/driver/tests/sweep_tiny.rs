@@ -1473,6 +1473,55 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
     }
 }
 
+/// The zero-init gate holds when the anchor shares its cache layout with a
+/// third arm: a twin of the raw arm would batch with it (two rows, gemm's
+/// path) while the zero-init arm, with its own question-side spec, runs
+/// alone (one row, gemv's path, another summation order); gated arms and
+/// their anchors therefore run alone. (On the real 0.5B this happened when a
+/// mismatch partner's passage had the holder's length: 1 item in 111.)
+#[test]
+fn the_zero_init_gate_holds_when_the_anchor_shares_a_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = bridge_config(dir.path(), &model, 1);
+    let text = std::fs::read_to_string(&cfg).unwrap()
+        + r#"
+[[arms]]
+name = "kv_augment_twin"
+inject = { carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }
+"#;
+    std::fs::write(&cfg, text).unwrap();
+    let out = dir.path().join("twin");
+    sweep::run(
+        &cfg,
+        &SweepOptions {
+            out: Some(out.clone()),
+            resource_root: Some(dir.path().join("resources")),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (names, rows) = rows(&out.join("items/cell-00000.parquet"));
+    let arm = col(&names, &rows, "arm");
+    let exact = col(&names, &rows, "bit_exact");
+    let cont = col(&names, &rows, "continuation_ids");
+    let n = arm.iter().filter(|a| *a == "kv_bridge_init").count();
+    assert!(n > 0);
+    for (i, a) in arm.iter().enumerate() {
+        if a == "kv_bridge_init" {
+            assert_eq!(exact[i], "true", "row {i}");
+        }
+    }
+    // The twin decodes what the raw arm decodes.
+    let of = |name: &str| -> Vec<String> {
+        (0..arm.len())
+            .filter(|&i| arm[i] == name)
+            .map(|i| cont[i].clone())
+            .collect()
+    };
+    assert_eq!(of("kv_augment"), of("kv_augment_twin"));
+}
+
 /// A bridge trained in mini-batches (`batch = 2`: two examples a step, read
 /// as one padded batch) is another resource than the one-item bridge (its
 /// own spec and cache entry), trains to a finite curve, and still starts as
