@@ -71,6 +71,14 @@ pub struct ArmProgram {
     /// The bridge resource whose adapters run its question and decoding,
     /// and whether at their initial values.
     pub bridge: Option<(String, bool)>,
+    /// Whether it reads its question and decodes in a batch of its own: set
+    /// for an arm gated bit for bit against another arm (`expect = { arm }`)
+    /// and for that anchor. gemm's summation order depends on the row count
+    /// (one row takes its gemv path), so two arms are bit-comparable only at
+    /// equal batch sizes, and an anchor sharing its layout with a third arm
+    /// by chance (a mismatch partner's passage of the same length) would
+    /// otherwise decode in a batch of two while the gated arm decodes alone.
+    pub decode_alone: bool,
 }
 
 impl ArmProgram {
@@ -149,6 +157,18 @@ pub fn compile(
             &mut senders,
             &mut foreign,
         )?);
+    }
+    // Arms gated against another arm, and their anchors, decode alone.
+    let gated: Vec<String> = programs
+        .iter()
+        .filter_map(|p| match &p.expect {
+            Some(Expect::Arm(anchor)) => Some([p.name.clone(), anchor.clone()]),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    for p in &mut programs {
+        p.decode_alone = gated.contains(&p.name);
     }
     // Controls resolve at each arm's grid point once every arm applies.
     for pa in &cfg.arms {
@@ -915,6 +935,7 @@ fn compile_arm(
         resources,
         seed_key: arm.seed_as.clone().unwrap_or_else(|| arm.name.clone()),
         bridge: arm.bridge.as_ref().map(|b| (b.resource.clone(), b.init)),
+        decode_alone: false,
     })
 }
 

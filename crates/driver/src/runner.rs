@@ -190,19 +190,13 @@ impl<'a> Runner<'a> {
         for job in jobs {
             items.push(self.prepare_item(job)?);
         }
-        // Group arms; each group runs the question and decoding as one batch.
-        // An arm gated bit for bit against another arm (`expect = { arm }`)
-        // and that anchor each run alone: gemm's summation order depends on
-        // the number of rows (one row takes its gemv path), so two arms are
-        // bit-comparable only at equal batch sizes, and an anchor that shares
-        // its layout with a third arm by chance (a mismatch partner's passage
-        // of the same length) would otherwise decode in a batch of two.
-        let solo = self.gate_pairs();
+        // Group arms; each group runs the question and decoding as one batch
+        // (a program marked `decode_alone` forms a group of its own).
         let mut groups: BTreeMap<String, Vec<(usize, usize)>> = BTreeMap::new();
         for (i, (prepared, _)) in items.iter().enumerate() {
             for (a, (p, _)) in prepared.iter().enumerate() {
                 let key = match self.batching {
-                    _ if solo.contains(&a) => format!("{i:06}:solo{a:06}"),
+                    _ if self.plan.programs[a].decode_alone => format!("{i:06}:alone{a:06}"),
                     Batching::Batched => format!(
                         "{i:06}:{}:{:?}:{}",
                         p.cache.len(),
@@ -273,21 +267,6 @@ impl<'a> Runner<'a> {
                 Ok((self.check_gates(out)?, timing))
             })
             .collect()
-    }
-
-    /// The positions (in the plan's program order) of every arm gated
-    /// against another arm and of those anchors.
-    fn gate_pairs(&self) -> std::collections::BTreeSet<usize> {
-        let mut solo = std::collections::BTreeSet::new();
-        for (a, program) in self.plan.programs.iter().enumerate() {
-            if let Some(Expect::Arm(name)) = &program.expect {
-                if let Some(r) = self.plan.programs.iter().position(|p| &p.name == name) {
-                    solo.insert(a);
-                    solo.insert(r);
-                }
-            }
-        }
-        solo
     }
 
     /// One item's passes and every arm's prepared cache, with the time each

@@ -1476,9 +1476,10 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
 /// The zero-init gate holds when the anchor shares its cache layout with a
 /// third arm: a twin of the raw arm would batch with it (two rows, gemm's
 /// path) while the zero-init arm, with its own question-side spec, runs
-/// alone (one row, gemv's path, another summation order); gated arms and
-/// their anchors therefore run alone. (On the real 0.5B this happened when a
-/// mismatch partner's passage had the holder's length: 1 item in 111.)
+/// alone (one row, gemv's path, another summation order); the plan marks
+/// gated arms and their anchors to decode alone. (On the real 0.5B this
+/// happened when a mismatch partner's passage had the holder's length, on
+/// one item after 110 had passed.)
 #[test]
 fn the_zero_init_gate_holds_when_the_anchor_shares_a_layout() {
     let dir = tempfile::tempdir().unwrap();
