@@ -56,6 +56,32 @@ fn range(v: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
     })
 }
 
+/// One variant's range of a figure over layers, `"{v} lo to hi"` (or
+/// `"{v} x"` when the ends agree), each end formatted by `f`; none when no
+/// layer has the figure.
+fn range_cell(
+    v: &str,
+    values: impl Iterator<Item = f64>,
+    f: impl Fn(f64) -> String,
+) -> Option<String> {
+    range(values).map(|(lo, hi)| {
+        if lo == hi {
+            format!("{v} {}", f(lo))
+        } else {
+            format!("{v} {} to {}", f(lo), f(hi))
+        }
+    })
+}
+
+/// Cells joined by "; ", or a dash when there are none.
+fn cells_or_dash(cells: &[String]) -> String {
+    if cells.is_empty() {
+        "–".into()
+    } else {
+        cells.join("; ")
+    }
+}
+
 fn pct(x: f64) -> String {
     format!("{:.1}%", 100.0 * x)
 }
@@ -216,37 +242,29 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     for &v in &variants {
         let a = by_layer(&rows, "mode_d", "agreement", Some(v), None);
         let k = by_layer(&rows, "mode_d", "kl_reduction", Some(v), None);
-        if let Some((lo, hi)) = range(early.iter().filter_map(|l| a.get(l).map(|x| x.0))) {
-            agree_cells.push(if lo == hi {
-                format!("{v} {lo:.3}")
-            } else {
-                format!("{v} {lo:.3} to {hi:.3}")
-            });
-        }
-        if let Some((lo, hi)) = range(early.iter().filter_map(|l| k.get(l).map(|x| x.0))) {
-            red_cells.push(if lo == hi {
-                format!("{v} {}", ratio(lo))
-            } else {
-                format!("{v} {} to {}", ratio(lo), ratio(hi))
-            });
-        }
+        agree_cells.extend(range_cell(
+            v,
+            early.iter().filter_map(|l| a.get(l).map(|x| x.0)),
+            |x| format!("{x:.3}"),
+        ));
+        red_cells.extend(range_cell(
+            v,
+            early.iter().filter_map(|l| k.get(l).map(|x| x.0)),
+            ratio,
+        ));
     }
     let stale_agree = scalar(&rows, "stale", "agreement");
     let _ = writeln!(
         md,
         "| top-1 agreement with the full recompute, early layers (measured l in 1..{early_end}: {}) | .91-.98 (below the 0.99 line) | {}; stale reuse {} |",
         early.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(", "),
-        if agree_cells.is_empty() { "–".into() } else { agree_cells.join("; ") },
+        cells_or_dash(&agree_cells),
         stale_agree.map(|a| format!("{a:.3}")).unwrap_or("–".into())
     );
     let _ = writeln!(
         md,
         "| KL(full ‖ stale) / KL(full ‖ Mode D), early layers | 4-27x | {} |",
-        if red_cells.is_empty() {
-            "–".into()
-        } else {
-            red_cells.join("; ")
-        }
+        cells_or_dash(&red_cells)
     );
     // The delta's own share of the reduction: stale reuse's KL is the same
     // at every l, so KL(stale) / KL(Mode D) also credits the recompute of
@@ -257,25 +275,18 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     if !zero_kl.is_empty() {
         for &v in variants.iter().filter(|&&v| v != "zero") {
             let k = by_layer(&rows, "mode_d", "kl_mode_d", Some(v), None);
-            let r = early
-                .iter()
-                .filter_map(|l| Some(zero_kl.get(l)?.0 / k.get(l)?.0));
-            if let Some((lo, hi)) = range(r) {
-                over_zero_cells.push(if lo == hi {
-                    format!("{v} {}", ratio(lo))
-                } else {
-                    format!("{v} {} to {}", ratio(lo), ratio(hi))
-                });
-            }
+            over_zero_cells.extend(range_cell(
+                v,
+                early
+                    .iter()
+                    .filter_map(|l| Some(zero_kl.get(l)?.0 / k.get(l)?.0)),
+                ratio,
+            ));
         }
         let _ = writeln!(
             md,
             "| KL(full ‖ Mode D, zero delta) / KL(full ‖ Mode D), early layers: the delta's own gain over recomputing blocks l..L without it | – (not reported) | {} |",
-            if over_zero_cells.is_empty() {
-                "–".into()
-            } else {
-                over_zero_cells.join("; ")
-            }
+            cells_or_dash(&over_zero_cells)
         );
     }
     let mut save_cells = Vec::new();
