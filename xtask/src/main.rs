@@ -85,6 +85,10 @@ enum Cmd {
     Report {
         /// The run folder (holding run.json and summary.parquet).
         dir: PathBuf,
+        /// A Mode D run in progress: report-interim.md from the units
+        /// written so far, marked as interim.
+        #[arg(long)]
+        interim: bool,
     },
     /// Speed figures, as ratios against candle-transformers in the same run,
     /// and the driver's arm figures.
@@ -173,7 +177,7 @@ fn main() -> Result<()> {
         Cmd::Anchors(args) => anchors::run(args)?,
         Cmd::Sweep(args) => sweep::run(args)?,
         Cmd::Measure(args) => measure::run(args)?,
-        Cmd::Report { dir } => sweep::report(dir)?,
+        Cmd::Report { dir, interim } => sweep::report(dir, interim)?,
         Cmd::Bench(opts) => bench::run(opts)?,
         Cmd::Compare { a, b, out } => {
             let c = tolerable_driver::records::compare::compare_runs(&a, &b)?;

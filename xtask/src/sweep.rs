@@ -135,8 +135,12 @@ pub fn run(a: SweepArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn report(dir: PathBuf) -> Result<()> {
-    let r = tolerable_driver::report::write(&dir)?;
+pub fn report(dir: PathBuf, interim: bool) -> Result<()> {
+    let r = if interim {
+        tolerable_driver::measure::report::write_interim(&dir)?
+    } else {
+        tolerable_driver::report::write(&dir)?
+    };
     println!("{}", std::fs::read_to_string(&r)?);
     eprintln!("wrote {}", r.display());
     Ok(())

@@ -296,6 +296,68 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
         assert!(out.join("plots").join(f).exists(), "{f}");
     }
 
+    // The interim summary of a finished run is its summary, row for row.
+    let (interim, cov) = tolerable_driver::measure::mode_d::interim_summary(&out).unwrap();
+    assert!(cov.complete(), "{cov:?}");
+    assert_eq!((cov.unit_contexts, cov.measured_pairs), (2, n_pairs));
+    assert_eq!(interim, summary);
+    // With one context's unit gone (a run stopped in phase 2), it covers the
+    // other context alone, says so, and its report is written beside the
+    // finished one's, marked interim, without touching it.
+    let part = dir.path().join("part");
+    for sub in ["oracle", "deltas", "units"] {
+        std::fs::create_dir_all(part.join(sub)).unwrap();
+        for e in std::fs::read_dir(out.join(sub)).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), part.join(sub).join(e.file_name())).unwrap();
+        }
+    }
+    std::fs::copy(out.join("run.json"), part.join("run.json")).unwrap();
+    let gone = part.join("units").join("py_matrix.py.parquet");
+    let gone_pairs = meta["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["context"] == "py_matrix.py")
+        .count();
+    assert!(gone_pairs > 0);
+    std::fs::remove_file(&gone).unwrap();
+    let (rows_part, cov) = tolerable_driver::measure::mode_d::interim_summary(&part).unwrap();
+    assert!(!cov.complete());
+    assert_eq!(cov.oracle["status"], "passed so far", "{}", cov.oracle);
+    assert_eq!(cov.oracle["pairs_checked"], n_pairs);
+    assert_eq!(
+        (cov.contexts, cov.unit_contexts, cov.oracle_contexts),
+        (2, 1, 2)
+    );
+    assert_eq!(cov.measured_pairs, n_pairs - gone_pairs);
+    let kept_pairs = rows_part
+        .iter()
+        .find(|r| r.measurement == "stale" && r.metric == "agreement" && r.archetype.is_none())
+        .unwrap()
+        .n;
+    assert_eq!(kept_pairs as usize, n_pairs - gone_pairs);
+    assert!(tolerable_driver::report::write(&part)
+        .unwrap_err()
+        .to_string()
+        .contains("--interim"));
+    let r = tolerable_driver::measure::report::write_interim(&part).unwrap();
+    assert_eq!(r, part.join("report-interim.md"));
+    let md = std::fs::read_to_string(&r).unwrap();
+    assert!(
+        md.contains(&format!(
+            "1 of 2 contexts measured ({} of {n_pairs} edit pairs)",
+            n_pairs - gone_pairs
+        )),
+        "{md}"
+    );
+    assert!(md.contains("oracle gate: passed so far"), "{md}");
+    assert!(part
+        .join("plots-interim")
+        .join("dirtiness_vs_layer.png")
+        .exists());
+    assert!(!part.join("report.md").exists() && !part.join("plots").exists());
+
     // A rerun redoes no unit.
     let o2 = measure::run(&cfg, &opts(&out)).unwrap();
     assert_eq!((o2.computed, o2.skipped), (0, 2));

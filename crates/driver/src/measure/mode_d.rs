@@ -1649,3 +1649,136 @@ pub fn delta_cosines(
 pub fn read_summary(dir: &Path) -> Result<Vec<MeasureRow>> {
     read_rows(&dir.join("summary.parquet"))
 }
+
+/// How much of a Mode D run an interim summary covers: what phase 1 and
+/// phase 2 have written when it was read.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Coverage {
+    /// The corpus's contexts.
+    pub contexts: usize,
+    /// Contexts with at least one edit pair.
+    pub contexts_with_pairs: usize,
+    /// Contexts whose phase-1 oracle file and deltas are both written.
+    pub oracle_contexts: usize,
+    /// Contexts whose phase-2 unit is written.
+    pub unit_contexts: usize,
+    /// Edit pairs of the plan.
+    pub pairs: usize,
+    /// Edit pairs inside the written phase-2 units.
+    pub measured_pairs: usize,
+    /// The oracle gate judged over the written oracle files by the run's
+    /// rule, in `run.json`'s shape (status "passed so far" or "failed").
+    pub oracle: serde_json::Value,
+}
+
+impl Coverage {
+    /// Whether every unit of both phases is written (the interim summary is
+    /// then the run's own summary).
+    pub fn complete(&self) -> bool {
+        self.oracle_contexts == self.contexts_with_pairs && self.unit_contexts == self.contexts
+    }
+}
+
+/// The summary of a Mode D run folder over what it holds so far, for a look
+/// at a run in progress: the same aggregation the finished run writes to
+/// `summary.parquet` ([`summarize`] over the oracle rows and the phase-2
+/// units, then [`delta_cosines`]), over the contexts whose files are
+/// written. On a finished run it equals `summary.parquet`; on an
+/// unfinished one its means are over the finished contexts only, which are
+/// the corpus's first ones in its order, not a sample of it.
+pub fn interim_summary(dir: &Path) -> Result<(Vec<MeasureRow>, Coverage)> {
+    let meta = super::read_json(&dir.join("run.json"))?;
+    if meta["measurement"] != "mode_d" {
+        return Err(DriverError::Records(format!(
+            "{} is not a Mode D run (measurement {})",
+            dir.display(),
+            meta["measurement"]
+        )));
+    }
+    let missing =
+        |what: &str| DriverError::Records(format!("{}/run.json lacks {what}", dir.display()));
+    let run = meta["name"].as_str().ok_or_else(|| missing("name"))?;
+    let model = meta["model"]["id"]
+        .as_str()
+        .ok_or_else(|| missing("model.id"))?;
+    let n_layers = meta["model"]["config"]["n_layers"]
+        .as_u64()
+        .ok_or_else(|| missing("model.config.n_layers"))? as usize;
+    let contexts: Vec<&str> = meta["corpus"]["contexts"]
+        .as_array()
+        .ok_or_else(|| missing("corpus.contexts"))?
+        .iter()
+        .filter_map(|c| c.as_str())
+        .collect();
+    let mut pairs: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for p in meta["pairs"].as_array().ok_or_else(|| missing("pairs"))? {
+        let (Some(c), Some(a)) = (p["context"].as_str(), p["archetype"].as_str()) else {
+            return Err(missing("a pair's context and archetype"));
+        };
+        pairs.entry(c).or_default().push(a);
+    }
+    let file = |sub: &str, name: &str, ext: &str| dir.join(sub).join(format!("{name}.{ext}"));
+    let mut cov = Coverage {
+        contexts: contexts.len(),
+        contexts_with_pairs: pairs.len(),
+        oracle_contexts: 0,
+        unit_contexts: 0,
+        pairs: pairs.values().map(Vec::len).sum(),
+        measured_pairs: 0,
+        oracle: serde_json::Value::Null,
+    };
+    let layers: Vec<usize> = meta["injection_layers"]
+        .as_array()
+        .ok_or_else(|| missing("injection_layers"))?
+        .iter()
+        .filter_map(|l| l.as_u64().map(|l| l as usize))
+        .collect();
+    let mut judged: Vec<(String, Archetype)> = Vec::new();
+    // The finished run's order: oracle rows of the contexts with pairs,
+    // then every context's unit, both in corpus order.
+    let mut all = Vec::new();
+    let mut table = DeltaTable::new();
+    for &ctx in &contexts {
+        let Some(archetypes) = pairs.get(ctx) else {
+            continue;
+        };
+        let (oracle, deltas) = (
+            file("oracle", ctx, "parquet"),
+            file("deltas", ctx, "safetensors"),
+        );
+        if !(oracle.exists() && deltas.exists()) {
+            continue;
+        }
+        all.extend(read_rows(&oracle)?);
+        for &a in archetypes {
+            let a = Archetype::from_name(a)
+                .ok_or_else(|| missing(&format!("a known archetype (not `{a}`)")))?;
+            judged.push((ctx.to_string(), a));
+        }
+        let map = candle_core::safetensors::load(&deltas, &candle_core::Device::Cpu)
+            .map_err(|e| DriverError::Records(format!("reading {}: {e}", deltas.display())))?;
+        for &a in archetypes {
+            let t = map.get(a).ok_or_else(|| {
+                DriverError::Records(format!("{} holds no delta for {a}", deltas.display()))
+            })?;
+            table.insert((ctx.to_string(), a.to_string()), t.clone());
+        }
+        cov.oracle_contexts += 1;
+    }
+    let status = match oracle_checks_from_rows(&all, &judged, &layers) {
+        Ok(checks) if checks.iter().all(|c| c.passed) => "passed so far",
+        _ => "failed",
+    };
+    cov.oracle = oracle_outcome(&all, cov.pairs, &layers, status);
+    for &ctx in &contexts {
+        let unit = file("units", ctx, "parquet");
+        if unit.exists() {
+            all.extend(read_rows(&unit)?);
+            cov.unit_contexts += 1;
+            cov.measured_pairs += pairs.get(ctx).map_or(0, Vec::len);
+        }
+    }
+    let mut summary = summarize(run, model, &all);
+    summary.extend(delta_cosines(run, model, &table, n_layers)?);
+    Ok((summary, cov))
+}

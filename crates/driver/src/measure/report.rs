@@ -5,7 +5,10 @@
 //! (a line per delta variant, the 0.99 line drawn), and the compute saved
 //! against the injection layer with prefix KV reuse as a horizontal line.
 
-use super::mode_d::{read_summary, ORACLE_KL_TOLERANCE, ORACLE_POSITION_KL_TOLERANCE, VARIANTS};
+use super::mode_d::{
+    interim_summary, read_summary, Coverage, ORACLE_KL_TOLERANCE, ORACLE_POSITION_KL_TOLERANCE,
+    VARIANTS,
+};
 use super::read_json;
 use crate::error::{io, DriverError, Result};
 use crate::records::MeasureRow;
@@ -108,11 +111,33 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     }
     if !run_dir.join("summary.parquet").exists() {
         return Err(DriverError::Records(format!(
-            "{} has no summary.parquet: the measurement has unfinished units (rerun it)",
+            "{} has no summary.parquet: the measurement has unfinished units (rerun it; `report --interim` reads a Mode D run in progress)",
             run_dir.display()
         )));
     }
     let rows = read_summary(run_dir)?;
+    render(run_dir, &meta, &rows, None)
+}
+
+/// Writes `report-interim.md` and `plots-interim/*.png` for a Mode D run
+/// in progress, from the units it has written so far
+/// ([`interim_summary`]), with a banner saying how much of the run they
+/// are; the finished run's `report.md` and `plots/` are not touched.
+/// Returns the report's path.
+pub fn write_interim(run_dir: &Path) -> Result<PathBuf> {
+    let meta = read_json(&run_dir.join("run.json"))?;
+    let (rows, coverage) = interim_summary(run_dir)?;
+    render(run_dir, &meta, &rows, Some(&coverage))
+}
+
+/// The Mode D report over summary rows: the finished run's, or an interim
+/// one's with its coverage.
+fn render(
+    run_dir: &Path,
+    meta: &serde_json::Value,
+    rows: &[MeasureRow],
+    interim: Option<&Coverage>,
+) -> Result<PathBuf> {
     // The delta variants the run measured, in report order.
     let variants: Vec<&str> = VARIANTS
         .iter()
@@ -133,6 +158,18 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     let mut md = String::new();
     let name = meta["name"].as_str().unwrap_or("run");
     let _ = writeln!(md, "# Mode D measurement `{name}`\n");
+    if let Some(c) = interim {
+        let _ = writeln!(
+            md,
+            "**Interim, not the run's result:** {} of {} contexts measured ({} of {} edit pairs), phase 1 (oracle gate, deltas) written for {} of {} contexts with pairs. Means below are over the finished contexts only, the corpus's first ones in its order, not a sample of it; the delta cosines are over the contexts with deltas.\n",
+            c.unit_contexts,
+            c.contexts,
+            c.measured_pairs,
+            c.pairs,
+            c.oracle_contexts,
+            c.contexts_with_pairs
+        );
+    }
     let _ = writeln!(
         md,
         "- model: `{}` ({}), sha256 `{}`, {} layers",
@@ -151,7 +188,10 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
         skipped,
         meta["seeds"]["edits"]
     );
-    let o = &meta["oracle"];
+    let o = match interim {
+        Some(c) => &c.oracle,
+        None => &meta["oracle"],
+    };
     let _ = writeln!(
         md,
         "- gates: {}; oracle gate: {} ({} pairs x {} injection layers; worst mean KL {:.2e} nats, tolerance {:e}; worst position KL {:.2e} nats, tolerance {:e}; min agreement {}, ties {})",
@@ -195,7 +235,7 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     let _ = writeln!(
         md,
         "| dirtiness passes 90% of downstream positions | by layers 12-15 | {} |",
-        dirt.join("; ")
+        cells_or_dash(&dirt)
     );
     let final_cos: Vec<(String, f64)> = rows
         .iter()
@@ -336,7 +376,13 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     }
     let _ = writeln!(
         md,
-        "\nMeans over pairs (archetype null rows of `summary.parquet`); the KL reduction is the ratio of the mean KLs. Compute is each strategy's cost of the updated cache and the next-token logits at the last position: the full recompute of the edited context, prefix KV reuse (the original's cache before the edit kept, every token from the edit on through every block), and Mode D (the edited span through every block, the downstream tokens through blocks l..L, the delta extracted and injected); wall times are from this machine (shared, noisy). Definitions: downstream positions are the common suffix after the last changed token (tokens between changed sites, as in a rename or an argument added at several calls, belong to the edited span, which every strategy recomputes); the edit-site delta is the edited minus the original state at the first differing position (for a pure insertion the original's side is its first downstream token; for a pure deletion the edited side is, and Mode D is charged for computing it through the blocks below l); the archetype mean is the mean final-position delta of the archetype's pairs in other contexts, zero at layer 0 (the last token is the same id), where it and the zero variant are the full recompute of the downstream tokens.\n"
+        "\nMeans over pairs (archetype null rows of {}); the KL reduction is the ratio of the mean KLs. Compute is each strategy's cost of the updated cache and the next-token logits at the last position: the full recompute of the edited context, prefix KV reuse (the original's cache before the edit kept, every token from the edit on through every block), and Mode D (the edited span through every block, the downstream tokens through blocks l..L, the delta extracted and injected); wall times are from this machine (shared, noisy). Definitions: downstream positions are the common suffix after the last changed token (tokens between changed sites, as in a rename or an argument added at several calls, belong to the edited span, which every strategy recomputes); the edit-site delta is the edited minus the original state at the first differing position (for a pure insertion the original's side is its first downstream token; for a pure deletion the edited side is, and Mode D is charged for computing it through the blocks below l); the archetype mean is the mean final-position delta of the archetype's pairs in other contexts, zero at layer 0 (the last token is the same id), where it and the zero variant are the full recompute of the downstream tokens.\n",
+        if interim.is_some() {
+            "the interim summary"
+        } else {
+            "`summary.parquet`"
+        }
+
     );
 
     // Per-layer table.
@@ -477,13 +523,17 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
         let _ = writeln!(md, "\nReasons per context: `run.json` (`skipped`) and the `skip` rows of `units/*.parquet`.");
     }
 
-    let plots = plots(run_dir, &rows, &variants, &taus, n_layers, &inj)?;
+    let (file, plot_dir) = match interim {
+        Some(_) => ("report-interim.md", "plots-interim"),
+        None => ("report.md", "plots"),
+    };
+    let plots = plots(run_dir, plot_dir, &rows, &variants, &taus, n_layers, &inj)?;
     let _ = writeln!(md, "\n## Figures\n");
     for p in plots {
         let rel = p.strip_prefix(run_dir).unwrap_or(&p).display().to_string();
         let _ = writeln!(md, "![{rel}]({rel})\n");
     }
-    let out = run_dir.join("report.md");
+    let out = run_dir.join(file);
     std::fs::write(&out, md).map_err(io(format!("writing {}", out.display())))?;
     Ok(out)
 }
@@ -498,6 +548,7 @@ pub(crate) struct Series {
 
 fn plots(
     run_dir: &Path,
+    plot_dir: &str,
     rows: &[MeasureRow],
     variants: &[&str],
     taus: &[f64],
@@ -505,7 +556,7 @@ fn plots(
     inj: &BTreeSet<i64>,
 ) -> Result<Vec<PathBuf>> {
     crate::report::register_font()?;
-    let dir = run_dir.join("plots");
+    let dir = run_dir.join(plot_dir);
     std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
     let pts = |m: &BTreeMap<i64, (f64, i64)>| -> Vec<(f64, f64)> {
         m.iter().map(|(l, v)| (*l as f64, v.0)).collect()
