@@ -920,3 +920,38 @@ fn mode_d_on_the_real_0_5b() {
     assert!((0.0..=1.0).contains(&agree.value));
     tolerable_driver::report::write(&out).unwrap();
 }
+
+/// Phase 2 takes the languages in turn: the builtin corpus's first six
+/// units are six languages, every context comes once, and each language's
+/// contexts keep their corpus order.
+#[test]
+fn phase_two_takes_the_languages_in_turn() {
+    let corpus = tolerable_probe::code::corpus::builtin();
+    let order = tolerable_driver::measure::mode_d::languages_in_turn(&corpus);
+    let names: Vec<&str> = order.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names.len(), corpus.len());
+    assert_eq!(
+        names.iter().collect::<BTreeSet<_>>().len(),
+        corpus.len(),
+        "{names:?}"
+    );
+    let languages: BTreeSet<Language> = corpus.iter().map(|c| c.language).collect();
+    let first: BTreeSet<Language> = order[..languages.len()]
+        .iter()
+        .map(|c| c.language)
+        .collect();
+    assert_eq!(first, languages, "{names:?}");
+    for l in &languages {
+        let in_order: Vec<&str> = order
+            .iter()
+            .filter(|c| c.language == *l)
+            .map(|c| c.name.as_str())
+            .collect();
+        let in_corpus: Vec<&str> = corpus
+            .iter()
+            .filter(|c| c.language == *l)
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(in_order, in_corpus);
+    }
+}

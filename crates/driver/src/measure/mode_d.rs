@@ -72,7 +72,9 @@
 //! deltas `[L + 1, d]` per archetype) and `oracle/<context>.parquet`;
 //! phase 2 writes `units/<context>.parquet` (every other per-pair row, and
 //! the context's skips); when every unit exists, `summary.parquet` holds the
-//! aggregates. A rerun skips finished files of either phase.
+//! aggregates. A rerun skips finished files of either phase. Phase 2 takes
+//! the languages in turn ([`languages_in_turn`]), so a run in progress has
+//! measured some contexts of each; [`interim_summary`] reads it.
 
 use super::{
     fraction_above, invocation, read_rows, relative_l2_rows, write_rows, write_tensors_atomic,
@@ -1420,11 +1422,11 @@ pub fn run(
         meta["oracle"]["worst_mean_kl"].as_f64().unwrap_or(0.0)
     );
 
-    // Phase 2: every other measurement, one unit per context.
+    // Phase 2: every other measurement, one unit per context, the languages
+    // in turn (a run stopped early has measured some of each).
     let table = read_deltas(&rd, &plan)?;
-    let todo2: Vec<&CodeContext> = plan
-        .contexts
-        .iter()
+    let todo2: Vec<&CodeContext> = languages_in_turn(&plan.contexts)
+        .into_iter()
         .filter(|c| !rd.unit("units", &c.name, "parquet").exists())
         .collect();
     let skipped_units = plan.contexts.len() - todo2.len();
@@ -1494,6 +1496,24 @@ pub fn run(
     write_rows(summary, &dir.join("summary.parquet"))?;
     out.summary_written = true;
     Ok(out)
+}
+
+/// The contexts in phase 2's order: one of each language in turn (the
+/// languages in the order they first appear, each language's contexts in
+/// corpus order), so that the units a stopped run has written cover every
+/// language about equally. Every context appears once.
+pub fn languages_in_turn(contexts: &[CodeContext]) -> Vec<&CodeContext> {
+    let mut groups: Vec<(tolerable_probe::code::Language, Vec<&CodeContext>)> = Vec::new();
+    for c in contexts {
+        match groups.iter_mut().find(|(l, _)| *l == c.language) {
+            Some((_, g)) => g.push(c),
+            None => groups.push((c.language, vec![c])),
+        }
+    }
+    let longest = groups.iter().map(|(_, g)| g.len()).max().unwrap_or(0);
+    (0..longest)
+        .flat_map(|i| groups.iter().filter_map(move |(_, g)| g.get(i).copied()))
+        .collect()
 }
 
 /// Aggregates per-pair rows: per (measurement, layer, tau, variant, metric)
@@ -1684,8 +1704,9 @@ impl Coverage {
 /// `summary.parquet` ([`summarize`] over the oracle rows and the phase-2
 /// units, then [`delta_cosines`]), over the contexts whose files are
 /// written. On a finished run it equals `summary.parquet`; on an
-/// unfinished one its means are over the finished contexts only, which are
-/// the corpus's first ones in its order, not a sample of it.
+/// unfinished one its means are over the finished contexts only (phase 2
+/// takes the languages in turn, [`languages_in_turn`]), not a random
+/// sample of the corpus.
 pub fn interim_summary(dir: &Path) -> Result<(Vec<MeasureRow>, Coverage)> {
     let meta = super::read_json(&dir.join("run.json"))?;
     if meta["measurement"] != "mode_d" {

@@ -161,7 +161,7 @@ fn render(
     if let Some(c) = interim {
         let _ = writeln!(
             md,
-            "**Interim, not the run's result:** {} of {} contexts measured ({} of {} edit pairs), phase 1 (oracle gate, deltas) written for {} of {} contexts with pairs. Means below are over the finished contexts only, the corpus's first ones in its order, not a sample of it; the delta cosines are over the contexts with deltas.\n",
+            "**Interim, not the run's result:** {} of {} contexts measured ({} of {} edit pairs), phase 1 (oracle gate, deltas) written for {} of {} contexts with pairs. Means below are over the finished contexts only (phase 2 takes the languages in turn), not a random sample of the corpus; the delta cosines are over the contexts with deltas.\n",
             c.unit_contexts,
             c.contexts,
             c.measured_pairs,
