@@ -45,6 +45,7 @@ pub mod report;
 use crate::error::{io, DriverError, Result};
 use crate::records::{self, columns, MeasureRow};
 use candle_core::{Tensor, D};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -746,27 +747,32 @@ fn argmax_f32(row: &[f32]) -> usize {
 impl LogitReference {
     /// The reference of logits `[1, n, V]` (or `[n, V]`).
     pub fn new(logits: &Tensor) -> Result<Self> {
-        let rows = rows_of(logits)?;
-        let mut probs = Vec::with_capacity(rows.len());
-        let mut neg_entropy = Vec::with_capacity(rows.len());
-        let mut argmax = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let lp = tolerable_stats::log_softmax(row);
-            let p: Vec<f64> = lp.iter().map(|x| x.exp()).collect();
-            neg_entropy.push(
-                p.iter()
+        // Positions in parallel (each row's arithmetic is sequential, so the
+        // figures do not depend on the thread count).
+        let per_row: Vec<(Vec<f64>, f64, usize)> = rows_of(logits)?
+            .par_iter()
+            .map(|row| {
+                let lp = tolerable_stats::log_softmax(row);
+                let p: Vec<f64> = lp.iter().map(|x| x.exp()).collect();
+                let neg_entropy = p
+                    .iter()
                     .zip(&lp)
                     .map(|(p, l)| if *p > 0.0 { p * l } else { 0.0 })
-                    .sum(),
-            );
-            probs.push(p);
-            argmax.push(argmax_f32(row));
+                    .sum();
+                (p, neg_entropy, argmax_f32(row))
+            })
+            .collect();
+        let mut r = Self {
+            probs: Vec::with_capacity(per_row.len()),
+            neg_entropy: Vec::with_capacity(per_row.len()),
+            argmax: Vec::with_capacity(per_row.len()),
+        };
+        for (p, h, a) in per_row {
+            r.probs.push(p);
+            r.neg_entropy.push(h);
+            r.argmax.push(a);
         }
-        Ok(Self {
-            probs,
-            neg_entropy,
-            argmax,
-        })
+        Ok(r)
     }
 
     /// Positions held.
@@ -791,29 +797,34 @@ impl LogitReference {
             )));
         }
         let n = rows.len();
+        // Each position's KL, agreement and tie in parallel (each row's
+        // arithmetic sequential); the sums below run in position order, so
+        // the figures do not depend on the thread count.
+        let per_row: Vec<(f64, bool, bool)> = rows
+            .par_iter()
+            .enumerate()
+            .map(|(i, row)| {
+                let p = &self.probs[i];
+                let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+                let (mut se, mut pz) = (0f64, 0f64);
+                for (&z, &pi) in row.iter().zip(p) {
+                    let z = z as f64;
+                    se += (z - m).exp();
+                    pz += pi * z;
+                }
+                let kl = (self.neg_entropy[i] - pz + m + se.ln()).max(0.0);
+                let (a, b) = (self.argmax[i], argmax_f32(row));
+                // z_a − z_b = log p_a − log p_b in the reference.
+                let tied = a != b && (p[a].ln() - p[b].ln()).abs() <= tie;
+                (kl, a == b, tied)
+            })
+            .collect();
         let (mut agree, mut ties, mut sum, mut max) = (0usize, 0usize, 0f64, 0f64);
-        for (i, row) in rows.iter().enumerate() {
-            let p = &self.probs[i];
-            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-            let (mut se, mut pz) = (0f64, 0f64);
-            for (&z, &pi) in row.iter().zip(p) {
-                let z = z as f64;
-                se += (z - m).exp();
-                pz += pi * z;
-            }
-            let kl = (self.neg_entropy[i] - pz + m + se.ln()).max(0.0);
+        for (kl, agreed, tied) in per_row {
             sum += kl;
             max = max.max(kl);
-            let (a, b) = (self.argmax[i], argmax_f32(row));
-            if a == b {
-                agree += 1;
-            } else {
-                // z_a − z_b = log p_a − log p_b in the reference.
-                let gap = (p[a].ln() - p[b].ln()).abs();
-                if gap <= tie {
-                    ties += 1;
-                }
-            }
+            agree += agreed as usize;
+            ties += tied as usize;
         }
         Ok(Comparison {
             n,
@@ -887,6 +898,38 @@ mod tests {
         let u = Tensor::from_vec(vec![0f32, 0., 2.0, 0., 0., 1.9995], (1, 1, 6), &dev).unwrap();
         let c = LogitReference::new(&t).unwrap().compare(&u, 1e-3).unwrap();
         assert_eq!((c.agreement, c.ties), (0.0, 1));
+    }
+
+    /// The comparison's positions run in parallel; its figures are the
+    /// same bits on one thread as on several.
+    #[test]
+    fn the_comparison_does_not_depend_on_the_thread_count() {
+        let dev = Device::Cpu;
+        let (n, v) = (37, 501);
+        let wave = |k: f32| -> Vec<f32> {
+            (0..n * v)
+                .map(|i| ((i as f32 * k).sin() * 4.0 + (i % 7) as f32 * 0.3))
+                .collect()
+        };
+        let a = Tensor::from_vec(wave(0.37), (1, n, v), &dev).unwrap();
+        let b = Tensor::from_vec(wave(0.41), (1, n, v), &dev).unwrap();
+        let run = || {
+            let r = LogitReference::new(&a).unwrap();
+            (r.compare(&b, 1e-3).unwrap(), r.neg_entropy.clone())
+        };
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap()
+            .install(run);
+        let four = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .unwrap()
+            .install(run);
+        assert_eq!(one.0.kl_mean.to_bits(), four.0.kl_mean.to_bits());
+        assert_eq!(one, four);
+        assert!(one.0.kl_mean > 0.0 && one.0.agreement < 1.0, "{:?}", one.0);
     }
 
     #[test]
