@@ -404,8 +404,15 @@ impl RunDir {
 
     /// The file of unit `name` under `sub`, with extension `ext`.
     pub fn unit(&self, sub: &str, name: &str, ext: &str) -> PathBuf {
-        self.dir.join(sub).join(format!("{name}.{ext}"))
+        unit_path(&self.dir, sub, name, ext)
     }
+}
+
+/// The file of unit `name` under `sub` of the run folder `dir`, with
+/// extension `ext` (what [`RunDir::unit`] names, for readers that do not
+/// open the run).
+pub(crate) fn unit_path(dir: &Path, sub: &str, name: &str, ext: &str) -> PathBuf {
+    dir.join(sub).join(format!("{name}.{ext}"))
 }
 
 /// A measurement's progress bar over `len` units named `unit`.

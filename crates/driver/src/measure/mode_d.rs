@@ -1102,21 +1102,39 @@ fn skip_rows(run: &str, model: &str, skips: &[&SkipRecord]) -> Vec<MeasureRow> {
 fn read_deltas(rd: &RunDir, plan: &ModeDPlan) -> Result<DeltaTable> {
     let mut table = DeltaTable::new();
     for ctx in &plan.contexts {
-        if plan.pairs_of(&ctx.name).next().is_none() {
-            continue;
-        }
-        let path = rd.unit("deltas", &ctx.name, "safetensors");
-        let map = candle_core::safetensors::load(&path, &candle_core::Device::Cpu)
-            .map_err(|e| DriverError::Records(format!("reading {}: {e}", path.display())))?;
-        for p in plan.pairs_of(&ctx.name) {
-            let a = p.meta.archetype.name();
-            let t = map.get(a).ok_or_else(|| {
-                DriverError::Records(format!("{} holds no delta for {a}", path.display()))
-            })?;
-            table.insert((ctx.name.clone(), a.to_string()), t.clone());
+        let archetypes: Vec<&str> = plan
+            .pairs_of(&ctx.name)
+            .map(|p| p.meta.archetype.name())
+            .collect();
+        if !archetypes.is_empty() {
+            read_context_deltas(
+                &rd.unit("deltas", &ctx.name, "safetensors"),
+                &ctx.name,
+                &archetypes,
+                &mut table,
+            )?;
         }
     }
     Ok(table)
+}
+
+/// Adds one context's phase-1 deltas (its file at `path`) of the given
+/// archetypes to `table`; a missing archetype is an error naming the file.
+fn read_context_deltas(
+    path: &Path,
+    context: &str,
+    archetypes: &[&str],
+    table: &mut DeltaTable,
+) -> Result<()> {
+    let map = candle_core::safetensors::load(path, &candle_core::Device::Cpu)
+        .map_err(|e| DriverError::Records(format!("reading {}: {e}", path.display())))?;
+    for &a in archetypes {
+        let t = map.get(a).ok_or_else(|| {
+            DriverError::Records(format!("{} holds no delta for {a}", path.display()))
+        })?;
+        table.insert((context.to_string(), a.to_string()), t.clone());
+    }
+    Ok(())
 }
 
 /// Records a refused oracle gate in `run.json` (status "failed", the
@@ -1739,7 +1757,6 @@ pub fn interim_summary(dir: &Path) -> Result<(Vec<MeasureRow>, Coverage)> {
         };
         pairs.entry(c).or_default().push(a);
     }
-    let file = |sub: &str, name: &str, ext: &str| dir.join(sub).join(format!("{name}.{ext}"));
     let mut cov = Coverage {
         contexts: contexts.len(),
         contexts_with_pairs: pairs.len(),
@@ -1765,8 +1782,8 @@ pub fn interim_summary(dir: &Path) -> Result<(Vec<MeasureRow>, Coverage)> {
             continue;
         };
         let (oracle, deltas) = (
-            file("oracle", ctx, "parquet"),
-            file("deltas", ctx, "safetensors"),
+            super::unit_path(dir, "oracle", ctx, "parquet"),
+            super::unit_path(dir, "deltas", ctx, "safetensors"),
         );
         if !(oracle.exists() && deltas.exists()) {
             continue;
@@ -1777,14 +1794,7 @@ pub fn interim_summary(dir: &Path) -> Result<(Vec<MeasureRow>, Coverage)> {
                 .ok_or_else(|| missing(&format!("a known archetype (not `{a}`)")))?;
             judged.push((ctx.to_string(), a));
         }
-        let map = candle_core::safetensors::load(&deltas, &candle_core::Device::Cpu)
-            .map_err(|e| DriverError::Records(format!("reading {}: {e}", deltas.display())))?;
-        for &a in archetypes {
-            let t = map.get(a).ok_or_else(|| {
-                DriverError::Records(format!("{} holds no delta for {a}", deltas.display()))
-            })?;
-            table.insert((ctx.to_string(), a.to_string()), t.clone());
-        }
+        read_context_deltas(&deltas, ctx, archetypes, &mut table)?;
         cov.oracle_contexts += 1;
     }
     let status = match oracle_checks_from_rows(&all, &judged, &layers) {
@@ -1793,7 +1803,7 @@ pub fn interim_summary(dir: &Path) -> Result<(Vec<MeasureRow>, Coverage)> {
     };
     cov.oracle = oracle_outcome(&all, cov.pairs, &layers, status);
     for &ctx in &contexts {
-        let unit = file("units", ctx, "parquet");
+        let unit = super::unit_path(dir, "units", ctx, "parquet");
         if unit.exists() {
             all.extend(read_rows(&unit)?);
             cov.unit_contexts += 1;
