@@ -429,6 +429,60 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
     measure::write_rows(original, &first).unwrap();
     let o3 = measure::run(&cfg, &opts(&out)).unwrap();
     assert_eq!((o3.computed, o3.skipped), (0, 2));
+
+    // A run stopped inside a context keeps the pairs it measured: here the
+    // first pair of py_matrix.py has its file in pairs/ (with one value
+    // marked, so that a recomputation would show) and the context's unit is
+    // gone. The rerun reads that pair back instead of measuring it, measures
+    // the others, writes the unit in the same row order and removes the
+    // pair's file.
+    let unit = out.join("units").join("py_matrix.py.parquet");
+    let before = rows(&unit);
+    let first_arch = meta["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["context"] == "py_matrix.py")
+        .unwrap()["archetype"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let is_pair = |r: &MeasureRow| {
+        r.measurement != "skip" && r.archetype.as_deref() == Some(first_arch.as_str())
+    };
+    let mut kept: Vec<MeasureRow> = before.iter().filter(|r| is_pair(r)).cloned().collect();
+    assert!(kept.len() > 10);
+    let mark = kept.iter().position(|r| r.metric == "kl_stale").unwrap();
+    kept[mark].value = 12345.0;
+    std::fs::create_dir_all(out.join("pairs")).unwrap();
+    let part_file = out
+        .join("pairs")
+        .join(format!("py_matrix.py.{first_arch}.parquet"));
+    measure::write_rows(kept.clone(), &part_file).unwrap();
+    std::fs::remove_file(&unit).unwrap();
+    std::fs::remove_file(out.join("summary.parquet")).unwrap();
+    let o4 = measure::run(&cfg, &opts(&out)).unwrap();
+    assert_eq!((o4.computed, o4.skipped), (1, 1));
+    assert!(!part_file.exists());
+    assert_eq!(std::fs::read_dir(out.join("pairs")).unwrap().count(), 0);
+    let after = rows(&unit);
+    assert_eq!(after.len(), before.len());
+    let timed = |r: &MeasureRow| r.metric.contains("seconds");
+    for (a, b) in after.iter().zip(&before) {
+        if is_pair(b) {
+            continue;
+        }
+        if timed(b) {
+            assert_eq!(
+                (&a.metric, a.layer, &a.variant),
+                (&b.metric, b.layer, &b.variant)
+            );
+        } else {
+            assert_eq!(a, b);
+        }
+    }
+    let read_back: Vec<MeasureRow> = after.iter().filter(|r| is_pair(r)).cloned().collect();
+    assert_eq!(read_back, kept);
 }
 
 /// The oracle gate's rule: every top-1 prediction agrees with the full

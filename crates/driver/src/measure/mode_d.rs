@@ -71,8 +71,13 @@
 //! **Files.** Phase 1 writes `deltas/<context>.safetensors` (the final-position
 //! deltas `[L + 1, d]` per archetype) and `oracle/<context>.parquet`;
 //! phase 2 writes `units/<context>.parquet` (every other per-pair row, and
-//! the context's skips); when every unit exists, `summary.parquet` holds the
-//! aggregates. A rerun skips finished files of either phase. Phase 2 takes
+//! the context's skips), keeping each pair's rows in
+//! `pairs/<context>.<archetype>.parquet` ([`pair_file_name`]) until its
+//! context's unit is written (then they are removed); when every unit
+//! exists, `summary.parquet` holds the aggregates. A rerun skips finished
+//! files of either phase, and in phase 2 the pairs already measured of an
+//! unfinished context (their rows are read back, bit for bit the rows
+//! written). Phase 2 takes
 //! the languages in turn ([`languages_in_turn`]), so a run in progress has
 //! measured some contexts of each; [`interim_summary`] reads it.
 
@@ -1276,7 +1281,7 @@ pub fn run(
 ) -> Result<MeasureOutcome> {
     let dir = super::out_dir(cfg, opts);
     let hash = cfg.hash();
-    let rd = RunDir::open(&dir, &hash, &["deltas", "oracle", "units"])?;
+    let rd = RunDir::open(&dir, &hash, &["deltas", "oracle", "pairs", "units"])?;
     let precision: Precision = cfg
         .run
         .precision
@@ -1456,7 +1461,22 @@ pub fn run(
             dir.display()
         );
     }
-    let n2: usize = todo2.iter().map(|c| plan.pairs_of(&c.name).count()).sum();
+    // A pair measured before a stop is kept in `pairs/` until its context's
+    // unit is written, and read back instead of measured again.
+    let pair_file = |p: &CodePair| rd.unit("pairs", &pair_file_name(p), "parquet");
+    let n2: usize = todo2
+        .iter()
+        .flat_map(|c| plan.pairs_of(&c.name))
+        .filter(|p| !pair_file(p).exists())
+        .count();
+    let kept = todo2
+        .iter()
+        .map(|c| plan.pairs_of(&c.name).count())
+        .sum::<usize>()
+        - n2;
+    if kept > 0 {
+        tracing::info!("resuming: {kept} pairs of unfinished contexts already measured");
+    }
     let bar = super::progress(n2, format!("mode D {run_name}"), "pairs");
     let t_run = Instant::now();
     let mut done = 0usize;
@@ -1468,20 +1488,37 @@ pub fn run(
             .filter(|s| s.context == ctx.name)
             .collect();
         let mut rows = skip_rows(run_name, &cfg.run.model, &skips);
+        let mut parts = Vec::new();
         for p in plan.pairs_of(&ctx.name) {
-            rows.extend(measure_pair(
-                model,
-                &cfg.run.model,
-                run_name,
-                p,
-                spec,
-                &plan.layers,
-                &table,
-            )?);
-            bar.inc(1);
-            done += 1;
+            let part = pair_file(p);
+            if part.exists() {
+                rows.extend(read_rows(&part)?);
+            } else {
+                let pair_rows = measure_pair(
+                    model,
+                    &cfg.run.model,
+                    run_name,
+                    p,
+                    spec,
+                    &plan.layers,
+                    &table,
+                )?;
+                write_rows(pair_rows.clone(), &part)?;
+                rows.extend(pair_rows);
+                bar.inc(1);
+                done += 1;
+            }
+            parts.push(part);
         }
         write_rows(rows, &rd.unit("units", &ctx.name, "parquet"))?;
+        for part in parts {
+            if let Err(e) = std::fs::remove_file(&part) {
+                tracing::warn!(
+                    "could not remove {} ({e}); its context's unit is written",
+                    part.display()
+                );
+            }
+        }
         computed.insert(ctx.name.clone());
         if headless {
             let rate = done as f64 / t_run.elapsed().as_secs_f64().max(1e-9);
@@ -1515,6 +1552,12 @@ pub fn run(
     write_rows(summary, &dir.join("summary.parquet"))?;
     out.summary_written = true;
     Ok(out)
+}
+
+/// The name of a phase-2 pair's own file under `pairs/` (`<context>.<archetype>`):
+/// the rows of a pair measured in a context whose unit is not yet written.
+pub fn pair_file_name(p: &CodePair) -> String {
+    format!("{}.{}", p.meta.context, p.meta.archetype.name())
 }
 
 /// The contexts in phase 2's order: one of each language in turn (the
