@@ -366,6 +366,69 @@ fn mode_d_on_two_corpus_contexts_passes_the_oracle_and_resumes() {
     assert_eq!(meta["invocations"].as_array().unwrap().len(), 2);
     assert_eq!(rows(&out.join("summary.parquet")), summary);
 
+    // A new machine has the committed files but not the deltas (ignored by
+    // git): a rerun computes only the deltas again (bit for bit the first
+    // run's), keeps the oracle files as they were, measures no unit again,
+    // and writes the same summary (its cosines read the deltas).
+    let lost = dir.path().join("lost");
+    for sub in ["oracle", "units"] {
+        std::fs::create_dir_all(lost.join(sub)).unwrap();
+        for e in std::fs::read_dir(out.join(sub)).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), lost.join(sub).join(e.file_name())).unwrap();
+        }
+    }
+    std::fs::copy(out.join("run.json"), lost.join("run.json")).unwrap();
+    let bytes_of = |d: &Path| -> BTreeMap<std::ffi::OsString, Vec<u8>> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (e.file_name(), std::fs::read(e.path()).unwrap())
+            })
+            .collect()
+    };
+    // One oracle row marked (a smaller KL, still inside the gate): a rerun
+    // that ran the oracle again would write the true value back.
+    let marked = lost.join("oracle").join("go_queue.go.parquet");
+    let mut oracle_rows = rows(&marked);
+    let k = oracle_rows
+        .iter()
+        .position(|r| r.metric == "kl_mode_d")
+        .unwrap();
+    oracle_rows[k].value *= 0.5;
+    measure::write_rows(oracle_rows.clone(), &marked).unwrap();
+    let oracle_files = bytes_of(&lost.join("oracle"));
+    let o3 = measure::run(&cfg, &opts(&lost)).unwrap();
+    assert_eq!((o3.computed, o3.skipped), (0, 2));
+    assert_eq!(bytes_of(&lost.join("oracle")), oracle_files);
+    assert_eq!(rows(&marked), oracle_rows);
+    let tensors = |p: &Path| -> BTreeMap<String, Vec<f32>> {
+        candle_core::safetensors::load(p, &candle_core::Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+            .collect()
+    };
+    let delta_files = bytes_of(&out.join("deltas"));
+    assert_eq!(delta_files.len(), 2);
+    for name in delta_files.keys() {
+        let (a, b) = (
+            tensors(&out.join("deltas").join(name)),
+            tensors(&lost.join("deltas").join(name)),
+        );
+        assert!(!a.is_empty());
+        assert_eq!(a, b, "{name:?}");
+    }
+    let cosines = |rows: Vec<MeasureRow>| -> Vec<MeasureRow> {
+        rows.into_iter()
+            .filter(|r| r.metric == "delta_cosine")
+            .collect()
+    };
+    let cos = cosines(summary.clone());
+    assert!(!cos.is_empty());
+    assert_eq!(cosines(rows(&lost.join("summary.parquet"))), cos);
+
     // An oracle file that records one disagreement that is not a tie, or a
     // mean KL above the tolerance (here written over by hand), is refused on
     // the next invocation by the gate's own rule: the gate is recorded as

@@ -75,7 +75,9 @@
 //! `pairs/<context>.<archetype>.parquet` ([`pair_file_name`]) until its
 //! context's unit is written (then they are removed); when every unit
 //! exists, `summary.parquet` holds the aggregates. A rerun skips finished
-//! files of either phase, and in phase 2 the pairs already measured of an
+//! files of either phase (where a context's oracle file exists without its
+//! deltas, only the deltas are computed again: two forward passes a pair,
+//! not the oracle at every layer), and in phase 2 the pairs already measured of an
 //! unfinished context (their rows are read back, bit for bit the rows
 //! written). Phase 2 takes
 //! the languages in turn ([`languages_in_turn`]), so a run in progress has
@@ -1366,6 +1368,28 @@ pub fn run(
     for ctx in &todo1 {
         bar.set_message(ctx.name.clone());
         let mut deltas = BTreeMap::new();
+        if rd.unit("oracle", &ctx.name, "parquet").exists() {
+            // The oracle file of an earlier invocation stands (it is checked
+            // again below, by the same rule); only its deltas are missing
+            // (they are not committed: a new machine has lost them), and
+            // they are the same two passes phase 1 takes, without the oracle.
+            for p in plan.pairs_of(&ctx.name) {
+                deltas.insert(
+                    p.meta.archetype.name().to_string(),
+                    pair_passes(model, p, false)?.final_deltas()?,
+                );
+                bar.inc(1);
+            }
+            write_tensors_atomic(&deltas, &rd.unit("deltas", &ctx.name, "safetensors"))?;
+            if headless {
+                tracing::info!(
+                    "deltas of {} recomputed ({} pairs; its oracle file kept)",
+                    ctx.name,
+                    deltas.len()
+                );
+            }
+            continue;
+        }
         let mut rows = Vec::new();
         for p in plan.pairs_of(&ctx.name) {
             let (d, checks) = oracle_pair(model, p, &plan.layers)?;
