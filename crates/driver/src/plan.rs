@@ -710,8 +710,10 @@ fn compile_arm(
                         }
                     }
                     (None, Some(c)) => {
-                        if !(c > -1.0 && c <= 1.0) {
-                            return Err(bad(arm, f("source.bank.cosine"), format!("target cosine {c} is not in (-1, 1]")));
+                        // A genuine key at cosine 0 or below to the true key
+                        // is no neighbour: the arm's target lives in (0, 1].
+                        if !(c > 0.0 && c <= 1.0) {
+                            return Err(bad(arm, f("source.bank.cosine"), format!("target cosine {c} is not in (0, 1]")));
                         }
                         BankPick::AtCosine(c)
                     }
@@ -838,12 +840,14 @@ fn compile_arm(
                         format!("alpha {a} is not finite"),
                     ))
                 }
-                (None, Some(c)) if c > -1.0 && c <= 1.0 => BlendBy::Cosine(c),
+                // Interpolation toward another item ends at that item's state;
+                // a target at or below cosine 0 is not a matched-cosine arm.
+                (None, Some(c)) if c > 0.0 && c <= 1.0 => BlendBy::Cosine(c),
                 (None, Some(c)) => {
                     return Err(bad(
                         arm,
                         f("blend.target_cosine"),
-                        format!("target cosine {c} is not in (-1, 1]"),
+                        format!("target cosine {c} is not in (0, 1]"),
                     ))
                 }
                 _ => {

@@ -379,6 +379,25 @@ fn arms_that_cannot_apply_fail_validation_naming_the_field() {
     assert!(e.contains("identity"), "{e}");
     let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = \"native\", perturb = { kind = \"cosine_noise\", target_cosine = 1.5 } }\n", &none);
     assert!(e.contains("inject[0].perturb") && e.contains("1.5"), "{e}");
+    // The lower bound: a target cosine of 0 or below, for noise, for
+    // interpolation toward another item and for a bank's on-manifold pick.
+    for c in ["0.0", "-0.5"] {
+        let e = validate(&format!("[[arms]]\nname = \"a\"\ninject = {{ carrier = \"k\", source = \"native\", perturb = {{ kind = \"cosine_noise\", target_cosine = {c} }} }}\n"), &none);
+        assert!(
+            e.contains("inject[0].perturb") && e.contains("(0, 1]"),
+            "{e}"
+        );
+        let e = validate(&format!("[[arms]]\nname = \"a\"\ninject = {{ carrier = \"k\", source = \"native\", blend = {{ toward = \"other_item\", target_cosine = {c} }} }}\n"), &none);
+        assert!(
+            e.contains("inject[0].blend.target_cosine") && e.contains("(0, 1]"),
+            "{e}"
+        );
+        let e = validate(&format!("{bank}[[arms]]\nname = \"a\"\ninject = {{ carrier = \"k\", source = {{ bank = {{ bank = \"keys\", cosine = {c} }} }} }}\n"), &none);
+        assert!(
+            e.contains("inject[0].source.bank.cosine") && e.contains("(0, 1]"),
+            "{e}"
+        );
+    }
     let e = validate("[[arms]]\nname = \"a\"\ninject = { carrier = \"k\", source = \"native\", perturb = { kind = \"sparse_damage\", fraction = 1.0 } }\n", &none);
     assert!(
         e.contains("inject[0].perturb") && e.contains("[0, 1)"),
@@ -486,6 +505,11 @@ fn fitted_maps_that_cannot_be_fitted_or_applied_fail_before_any_work() {
         "[resources.p]\nkind = \"key_pairs\"\nnoise_cosine = 1.5\n[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"least_squares\"\n",
         &arm("m"),
         &["[resources.p].noise_cosine", "1.5"],
+    );
+    check(
+        "[resources.p]\nkind = \"key_pairs\"\nnoise_cosine = 0.0\n[resources.m]\nkind = \"fitted_map\"\npairs = \"p\"\nmethod = \"least_squares\"\n",
+        &arm("m"),
+        &["[resources.p].noise_cosine", "(0, 1]"],
     );
     // Hidden size 0, a parameter of another method, a rank beyond head_dim (16).
     check(

@@ -999,6 +999,78 @@ fn a_skipped_archetype_is_recorded() {
     assert!(!report.contains("KL zero / KL zero"), "{report}");
 }
 
+#[test]
+fn a_pair_with_too_few_downstream_tokens_is_a_recorded_skip() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let corpus = corpus_dir(dir.path(), &[("calc.py", CALC_PY)]);
+    let measure = |m: usize| {
+        format!(
+            "taus = [0.1]\nlayers = [1]\nvariants = [\"zero\"]\nmin_downstream = {m}\ncontexts = \"{}\"",
+            corpus.display()
+        )
+    };
+    let meta = |out: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap()
+    };
+    // Every pair measured, for their downstream lengths.
+    let all = dir.path().join("all");
+    measure::run(&config(dir.path(), &model, &measure(1)), &opts(&all)).unwrap();
+    let lens: Vec<(String, u64)> = meta(&all)["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["archetype"].as_str().unwrap().to_string(),
+                p["geometry"]["downstream"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let longest = lens.iter().map(|(_, n)| *n).max().unwrap();
+    let shortest = lens.iter().map(|(_, n)| *n).min().unwrap();
+    assert!(shortest < longest, "{lens:?}");
+    // A threshold between them: the shorter pairs are skipped with their
+    // count and the threshold named, the longer measured.
+    let m = longest as usize;
+    let some = dir.path().join("some");
+    let o = measure::run(&config(dir.path(), &model, &measure(m)), &opts(&some)).unwrap();
+    assert!(o.summary_written);
+    let run = meta(&some);
+    let kept: Vec<&str> = run["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["archetype"].as_str().unwrap())
+        .collect();
+    let skipped = run["skipped"].as_array().unwrap();
+    for (arch, n) in &lens {
+        let skip = skipped
+            .iter()
+            .find(|s| s["archetype"] == arch.as_str() && s["context"] == "calc.py");
+        if (*n as usize) < m {
+            let why = skip.unwrap_or_else(|| panic!("{arch} ({n} < {m}) not in {skipped:?}"))
+                ["reason"]
+                .as_str()
+                .unwrap();
+            assert!(
+                why.contains(&format!("{n} downstream"))
+                    && why.contains(&format!("min_downstream = {m}")),
+                "{why}"
+            );
+            assert!(!kept.contains(&arch.as_str()), "{arch} measured");
+        } else {
+            assert!(skip.is_none(), "{arch} skipped: {skip:?}");
+            assert!(kept.contains(&arch.as_str()), "{arch} not measured");
+        }
+    }
+    // Each skip is a row of the context's unit too, counted in the summary.
+    let units = unit_rows(&some, "units");
+    let skip_rows = units.iter().filter(|r| r.measurement == "skip").count();
+    assert_eq!(skip_rows, skipped.len());
+    assert!(skip_rows > 0);
+}
+
 /// Mode D on the real 0.5B, two contexts, four injection layers (minutes on
 /// two cores): `cargo test -p tolerable-driver --test mode_d -- --ignored`.
 #[test]

@@ -1771,6 +1771,22 @@ fn a_bridge_never_trains_on_an_evaluation_item_of_the_same_split() {
         "{e}"
     );
     assert!(!dir.path().join("b/run.json").exists());
+    // A bridge asked to train on the evaluation split itself: refused,
+    // naming the field, before any record.
+    let dev = dir.path().join("dev.toml");
+    std::fs::write(
+        &dev,
+        text.replace("data = \"squad_train\"", "data = \"squad_dev\""),
+    )
+    .unwrap();
+    let mut o = opts("c");
+    o.data.insert("squad_dev".to_string(), squad.clone());
+    let e = sweep::run(&dev, &o).unwrap_err().to_string();
+    assert!(
+        e.contains("[resources.qb].data") && e.contains("never on the evaluation split"),
+        "{e}"
+    );
+    assert!(!dir.path().join("c/run.json").exists());
 }
 
 fn router_config(dir: &Path, model: &Path, extra: &str) -> PathBuf {
