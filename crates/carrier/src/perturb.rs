@@ -39,6 +39,17 @@ pub enum Perturbation {
     },
 }
 
+/// Whether `c` can be a matched-cosine target: a state moved, by noise or
+/// toward a genuine neighbour, to cosine `c` to where it was. The targets of
+/// the papers' arms lie in (0, 1]; the error text names the value and range.
+pub fn check_target_cosine(c: f64) -> std::result::Result<(), String> {
+    if c > 0.0 && c <= 1.0 {
+        Ok(())
+    } else {
+        Err(format!("target cosine {c} is not in (0, 1]"))
+    }
+}
+
 impl Perturbation {
     /// Short name used in records.
     pub fn name(&self) -> &'static str {
@@ -64,9 +75,7 @@ impl Perturbation {
         let bad = |m: String| Err(CarrierError::BadPerturbation(format!("{field}: {m}")));
         match self {
             Perturbation::CosineNoise { target_cosine } => {
-                if !(*target_cosine > 0.0 && *target_cosine <= 1.0) {
-                    return bad(format!("target_cosine {target_cosine} is not in (0, 1]"));
-                }
+                check_target_cosine(*target_cosine).or_else(bad)?;
             }
             Perturbation::SparseDamage { fraction } | Perturbation::DenseMatched { fraction } => {
                 if !(0.0..1.0).contains(fraction) {

@@ -20,6 +20,7 @@ use crate::transforms::{
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
+use tolerable_carrier::perturb::check_target_cosine;
 use tolerable_carrier::{Carrier, LayerSet, Mechanism, Positions};
 use tolerable_runtime::ModelConfig;
 
@@ -710,11 +711,7 @@ fn compile_arm(
                         }
                     }
                     (None, Some(c)) => {
-                        // A genuine key at cosine 0 or below to the true key
-                        // is no neighbour: the arm's target lives in (0, 1].
-                        if !(c > 0.0 && c <= 1.0) {
-                            return Err(bad(arm, f("source.bank.cosine"), format!("target cosine {c} is not in (0, 1]")));
-                        }
+                        check_target_cosine(c).map_err(|why| bad(arm, f("source.bank.cosine"), why))?;
                         BankPick::AtCosine(c)
                     }
                     _ => {
@@ -840,15 +837,10 @@ fn compile_arm(
                         format!("alpha {a} is not finite"),
                     ))
                 }
-                // Interpolation toward another item ends at that item's state;
-                // a target at or below cosine 0 is not a matched-cosine arm.
-                (None, Some(c)) if c > 0.0 && c <= 1.0 => BlendBy::Cosine(c),
                 (None, Some(c)) => {
-                    return Err(bad(
-                        arm,
-                        f("blend.target_cosine"),
-                        format!("target cosine {c} is not in (0, 1]"),
-                    ))
+                    check_target_cosine(c)
+                        .map_err(|why| bad(arm, f("blend.target_cosine"), why))?;
+                    BlendBy::Cosine(c)
                 }
                 _ => {
                     return Err(bad(

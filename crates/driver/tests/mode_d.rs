@@ -1030,8 +1030,8 @@ fn a_pair_with_too_few_downstream_tokens_is_a_recorded_skip() {
     let longest = lens.iter().map(|(_, n)| *n).max().unwrap();
     let shortest = lens.iter().map(|(_, n)| *n).min().unwrap();
     assert!(shortest < longest, "{lens:?}");
-    // A threshold between them: the shorter pairs are skipped with their
-    // count and the threshold named, the longer measured.
+    // The longest pair's length as the threshold: the shorter pairs are
+    // skipped with their count and the threshold named, the longest measured.
     let m = longest as usize;
     let some = dir.path().join("some");
     let o = measure::run(&config(dir.path(), &model, &measure(m)), &opts(&some)).unwrap();
@@ -1064,7 +1064,7 @@ fn a_pair_with_too_few_downstream_tokens_is_a_recorded_skip() {
             assert!(kept.contains(&arch.as_str()), "{arch} not measured");
         }
     }
-    // Each skip is a row of the context's unit too, counted in the summary.
+    // Each skip is a row of the context's unit too.
     let units = unit_rows(&some, "units");
     let skip_rows = units.iter().filter(|r| r.measurement == "skip").count();
     assert_eq!(skip_rows, skipped.len());

@@ -154,11 +154,9 @@ impl ResourceKind for KeyPairsSpec {
         match (&self.sender, self.noise_cosine) {
             (Some(s), None) => check_sender(&format!("{field}.sender"), s)?,
             (None, Some(c)) => {
-                if !(c > 0.0 && c <= 1.0) {
-                    return Err(DriverError::Config(format!(
-                        "{field}.noise_cosine: target cosine {c} is not in (0, 1]"
-                    )));
-                }
+                tolerable_carrier::perturb::check_target_cosine(c).map_err(|why| {
+                    DriverError::Config(format!("{field}.noise_cosine: {why}"))
+                })?;
             }
             _ => {
                 return Err(DriverError::Config(format!(
