@@ -433,7 +433,8 @@ fn short_of_target(
 }
 
 /// One plot per numeric grid axis (a series per family and per value of
-/// the other axes), and fidelity plots (accuracy against mean fidelity
+/// the other axes), or, where the run has no numeric axis, one plot of
+/// accuracy by arm; and fidelity plots (accuracy against mean fidelity
 /// cosine, logit correlation and achieved cosine, a series per family)
 /// where arms measured them.
 fn plot_axes(
@@ -460,13 +461,22 @@ fn plot_axes(
         .iter()
         .filter(|r| r.mean_fidelity_cosine.is_some() && r.arm.n_injections > 0)
         .collect();
-    if axes.is_empty() && fidelity.len() < 3 {
+    if rows.is_empty() {
         return Ok(Vec::new());
     }
     register_font()?;
     let dir = run_dir.join("plots");
     std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
     let mut out = Vec::new();
+    // A run without a numeric grid axis (a set of named arms, such as the
+    // substitution bound) gets one figure: every arm's accuracy with its
+    // interval beside the anchors.
+    if axes.is_empty() {
+        let path = dir.join("accuracy_by_arm.png");
+        draw_by_arm(&path, rows, floor, native)
+            .map_err(|e| DriverError::Records(format!("drawing {}: {e}", path.display())))?;
+        out.push(path);
+    }
     for (axis, families) in &axes {
         let path = dir.join(format!("accuracy_vs_{}.png", axis.replace('.', "_")));
         draw(&path, axis, families, floor, native)
@@ -507,6 +517,78 @@ fn plot_axes(
         }
     }
     Ok(out)
+}
+
+/// Every arm's accuracy with its 95% interval, in the summary's order, with
+/// the floor and the native reference as horizontal lines.
+fn draw_by_arm(
+    path: &Path,
+    rows: &[SummaryRow],
+    floor: Option<&SummaryRow>,
+    native: Option<&SummaryRow>,
+) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    let n = rows.len();
+    let width = (160 + 90 * n as u32).clamp(640, 2400);
+    let root = BitMapBackend::new(path, (width, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let names: Vec<String> = rows.iter().map(|r| r.arm.arm.clone()).collect();
+    let x1 = n as f64 - 0.5;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("accuracy by arm", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(-0.5f64..x1, 0f64..1f64)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n + 1)
+        .x_label_formatter(&|x: &f64| {
+            let i = x.round();
+            if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
+                names[i as usize].clone()
+            } else {
+                String::new()
+            }
+        })
+        .x_desc("arm")
+        .y_desc("accuracy (95% CI)")
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    for (row, color, label) in [(floor, BLACK, "floor"), (native, BLUE, "native reference")] {
+        if let Some(r) = row {
+            let style = ShapeStyle::from(&color.mix(0.7)).stroke_width(2);
+            chart
+                .draw_series(LineSeries::new([(-0.5, r.accuracy), (x1, r.accuracy)], style))?
+                .label(format!("{label} {:.3}", r.accuracy))
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], style));
+        }
+    }
+    let color = Palette99::pick(1).to_rgba();
+    chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
+        Rectangle::new(
+            [(i as f64 - 0.3, 0.0), (i as f64 + 0.3, r.accuracy)],
+            color.mix(0.5).filled(),
+        )
+    }))?;
+    chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
+        ErrorBar::new_vertical(
+            i as f64,
+            r.ci_lo.max(0.0),
+            r.accuracy,
+            r.ci_hi.min(1.0),
+            BLACK.filled(),
+            10,
+        )
+    }))?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()?;
+    root.present()?;
+    Ok(())
 }
 
 fn draw(

@@ -288,6 +288,8 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     assert!(md.contains("`act_replace@layers=2`") && md.contains("Anchors: floor"));
     let png = out.join("plots").join("accuracy_vs_layers.png");
     assert!(std::fs::metadata(&png).unwrap().len() > 1000);
+    // A grid axis has its own plot, so no plot by arm.
+    assert!(!out.join("plots/accuracy_by_arm.png").exists());
 
     // A rerun finds every cell finished and computes nothing.
     let again = sweep::run(
@@ -1443,6 +1445,12 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
         "{report}"
     );
     assert!(out.join("plots/curve_qb.png").exists());
+    // Named arms without a grid axis: one plot of accuracy by arm.
+    assert!(
+        std::fs::metadata(out.join("plots/accuracy_by_arm.png")).unwrap().len() > 1000
+            && report.contains("plots/accuracy_by_arm.png"),
+        "{report}"
+    );
     // A second run loads it from the cache.
     sweep::run(&cfg, &opts("b")).unwrap();
     let meta: serde_json::Value =
