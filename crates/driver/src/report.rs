@@ -559,7 +559,10 @@ fn draw_by_arm(
         if let Some(r) = row {
             let style = ShapeStyle::from(&color.mix(0.7)).stroke_width(2);
             chart
-                .draw_series(LineSeries::new([(-0.5, r.accuracy), (x1, r.accuracy)], style))?
+                .draw_series(LineSeries::new(
+                    [(-0.5, r.accuracy), (x1, r.accuracy)],
+                    style,
+                ))?
                 .label(format!("{label} {:.3}", r.accuracy))
                 .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], style));
         }

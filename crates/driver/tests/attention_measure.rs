@@ -131,6 +131,31 @@ fn conditioning_measures_gains_under_their_bound_and_resumes() {
     assert!(summary
         .iter()
         .any(|r| r.metric == "bound_correlation" && r.variant.as_deref() == Some("off_manifold")));
+    // The pooled gain's standard error over the two probes: the per-probe
+    // means' standard deviation over sqrt(2), i.e. half their difference.
+    let probe_mean = |f: &PathBuf| {
+        let v: Vec<f64> = rows(f)
+            .iter()
+            .filter(|r| r.metric == "gain_logit" && r.variant.as_deref() == Some("off_manifold"))
+            .map(|r| r.value)
+            .collect();
+        v.iter().sum::<f64>() / v.len() as f64
+    };
+    let (m0, m1) = (probe_mean(&files[0]), probe_mean(&files[1]));
+    let se = summary
+        .iter()
+        .find(|r| {
+            r.metric == "gain_logit_se"
+                && r.layer.is_none()
+                && r.magnitude.is_none()
+                && r.variant.as_deref() == Some("off_manifold")
+        })
+        .expect("a standard error beside the pooled gain");
+    assert_eq!(se.n, 2);
+    assert!(
+        m0 != m1 && (se.value - (m0 - m1).abs() / 2.0).abs() < 1e-9 * m0.abs().max(1.0),
+        "{se:?} {m0} {m1}"
+    );
     // Resuming computes nothing and loads the bank from the cache.
     let o = measure::run(&cfg, &opts(dir.path(), &out)).unwrap();
     assert_eq!((o.computed, o.skipped), (0, 2));
@@ -142,7 +167,7 @@ fn conditioning_measures_gains_under_their_bound_and_resumes() {
     let report = tolerable_driver::report::write(&out).unwrap();
     let text = std::fs::read_to_string(report).unwrap();
     assert!(
-        text.contains("# Conditioning") && text.contains("sqrt(2G)"),
+        text.contains("# Conditioning") && text.contains("sqrt(2G)") && text.contains(" ± "),
         "{text}"
     );
     assert!(out.join("plots/gain_vs_layer.png").exists());
@@ -201,10 +226,15 @@ fn quantization_compares_round_trips_with_matched_noise() {
     assert!(summary
         .iter()
         .any(|r| r.variant.as_deref() == Some("int8_over_noise")));
+    assert!(summary.iter().any(|r| r.metric == "output_error_se"
+        && r.variant.as_deref() == Some("int4")
+        && r.n == 2));
     let report = tolerable_driver::report::write(&out).unwrap();
-    assert!(std::fs::read_to_string(report)
-        .unwrap()
-        .contains("Quantization against noise"));
+    let text = std::fs::read_to_string(report).unwrap();
+    assert!(
+        text.contains("Quantization against noise") && text.contains(" ± "),
+        "{text}"
+    );
 }
 
 #[test]

@@ -1447,7 +1447,10 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
     assert!(out.join("plots/curve_qb.png").exists());
     // Named arms without a grid axis: one plot of accuracy by arm.
     assert!(
-        std::fs::metadata(out.join("plots/accuracy_by_arm.png")).unwrap().len() > 1000
+        std::fs::metadata(out.join("plots/accuracy_by_arm.png"))
+            .unwrap()
+            .len()
+            > 1000
             && report.contains("plots/accuracy_by_arm.png"),
         "{report}"
     );

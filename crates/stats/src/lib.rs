@@ -11,7 +11,9 @@
 pub mod measures;
 pub mod proportion;
 
-pub use measures::{cosine, kl_divergence_logits, log_softmax, pearson, relative_l2, softmax};
+pub use measures::{
+    cosine, kl_divergence_logits, log_softmax, mean_standard_error, pearson, relative_l2, softmax,
+};
 pub use proportion::{
     difference, lift, mcnemar_exact, paired, Difference, Interval, Lift, Paired, Proportion,
 };

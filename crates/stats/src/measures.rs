@@ -63,6 +63,19 @@ pub fn relative_l2(a: &[f32], b: &[f32]) -> Result<f64> {
     Ok((d / r).sqrt())
 }
 
+/// The standard error of the mean of independent measurements: their
+/// sample standard deviation (divisor n − 1) over the square root of their
+/// number. Needs at least two values.
+pub fn mean_standard_error(x: &[f64]) -> Result<f64> {
+    if x.len() < 2 {
+        return Err(StatsError::Empty("sample of at least two values"));
+    }
+    let n = x.len() as f64;
+    let mean = x.iter().sum::<f64>() / n;
+    let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    Ok((var / n).sqrt())
+}
+
 /// log softmax of logits, in f64.
 pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
@@ -96,6 +109,16 @@ pub fn kl_divergence_logits(p_logits: &[f32], q_logits: &[f32]) -> Result<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn standard_error_of_a_mean() {
+        // 1, 2, 3, 4: sample variance 5/3, SE sqrt(5/12).
+        let se = mean_standard_error(&[1., 2., 3., 4.]).unwrap();
+        assert!((se - (5.0f64 / 12.0).sqrt()).abs() < 1e-12);
+        assert_eq!(mean_standard_error(&[2., 2., 2.]), Ok(0.0));
+        assert!(mean_standard_error(&[1.]).is_err());
+        assert!(mean_standard_error(&[]).is_err());
+    }
 
     #[test]
     fn cosine_values() {

@@ -619,10 +619,13 @@ fn f32s(x: &[f64]) -> Vec<f32> {
 }
 
 /// Aggregates per-probe rows: means over probes per (layer, variant,
-/// magnitude, metric); pooled over layers (layer null); for conditioning
-/// the off/on ratios (`variant = off_over_on`) and the bound's correlation
-/// with the measured gains; for quantization the round trip over its
-/// matched noise (`variant = int<b>_over_noise`).
+/// magnitude, metric); pooled over layers (layer null); beside each mean
+/// over two or more probes its standard error over probes (`<metric>_se`,
+/// n = probes: the standard deviation of the per-probe means over the
+/// square root of their number, the probe being the independent unit);
+/// for conditioning the off/on ratios (`variant = off_over_on`) and the
+/// bound's correlation with the measured gains; for quantization the round
+/// trip over its matched noise (`variant = int<b>_over_noise`).
 pub fn summarize(
     run: &str,
     model: &str,
@@ -631,22 +634,27 @@ pub fn summarize(
 ) -> Vec<MeasureRow> {
     type Key = (Option<i64>, Option<String>, Option<u64>, String);
     let mut by: BTreeMap<Key, Mean> = BTreeMap::new();
+    // The same cells split by probe (the row's context), for the standard errors.
+    let mut per_probe: BTreeMap<Key, BTreeMap<Option<String>, Mean>> = BTreeMap::new();
     for r in rows
         .iter()
         .filter(|r| r.measurement == measurement && r.value.is_finite())
     {
         let mag = r.magnitude.map(f64::to_bits);
-        by.entry((r.layer, r.variant.clone(), mag, r.metric.clone()))
-            .or_default()
-            .add(r.value);
-        by.entry((None, r.variant.clone(), mag, r.metric.clone()))
-            .or_default()
-            .add(r.value);
+        let mut keys = vec![
+            (r.layer, r.variant.clone(), mag, r.metric.clone()),
+            (None, r.variant.clone(), mag, r.metric.clone()),
+        ];
         if measurement == "conditioning" && mag.is_some() {
-            by.entry((r.layer, r.variant.clone(), None, r.metric.clone()))
+            keys.push((r.layer, r.variant.clone(), None, r.metric.clone()));
+            keys.push((None, r.variant.clone(), None, r.metric.clone()));
+        }
+        for k in keys {
+            by.entry(k.clone()).or_default().add(r.value);
+            per_probe
+                .entry(k)
                 .or_default()
-                .add(r.value);
-            by.entry((None, r.variant.clone(), None, r.metric.clone()))
+                .entry(r.context.clone())
                 .or_default()
                 .add(r.value);
         }
@@ -659,6 +667,20 @@ pub fn summarize(
         r
     };
     let mut out: Vec<MeasureRow> = by.iter().map(|(k, m)| mk(k, m.get(), m.n)).collect();
+    for (k, probes) in &per_probe {
+        let means: Vec<f64> = probes.values().map(Mean::get).collect();
+        // One probe has no standard error: no row.
+        let Ok(se) = tolerable_stats::mean_standard_error(&means) else {
+            continue;
+        };
+        let mut r = mk(
+            &(k.0, k.1.clone(), k.2, format!("{}_se", k.3)),
+            se,
+            means.len(),
+        );
+        r.note = Some("standard error over probes: the standard deviation of the per-probe means over the square root of their number".into());
+        out.push(r);
+    }
     let get = |l: Option<i64>, v: Option<&str>, mag: Option<u64>, metric: &str| {
         by.get(&(l, v.map(String::from), mag, metric.to_string()))
             .map(|m| m.get())

@@ -30,6 +30,26 @@ fn val(r: Option<&MeasureRow>) -> String {
         .unwrap_or_else(|| "—".into())
 }
 
+/// A mean with its standard error over probes (`<metric>_se`) where the
+/// summary has one.
+fn val_se(
+    rows: &[MeasureRow],
+    metric: &str,
+    layer: Option<i64>,
+    variant: Option<&str>,
+    magnitude: Option<f64>,
+) -> String {
+    let se = find(rows, &format!("{metric}_se"), layer, variant, magnitude);
+    match (find(rows, metric, layer, variant, magnitude), se) {
+        // Two significant digits where three decimals would show 0.000.
+        (Some(m), Some(se)) if se.value.abs() < 5e-4 => {
+            format!("{:.3} ± {:.1e}", m.value, se.value)
+        }
+        (Some(m), Some(se)) => format!("{:.3} ± {:.3}", m.value, se.value),
+        (m, _) => val(m),
+    }
+}
+
 fn by_layer(
     rows: &[MeasureRow],
     metric: &str,
@@ -90,7 +110,7 @@ pub fn write(run_dir: &Path, meta: &serde_json::Value) -> Result<PathBuf> {
             let _ = writeln!(md, "# Conditioning `{name}`\n");
             let _ = writeln!(
                 md,
-                "{model}, {probes} probes (SQuAD items read with their full passage), G = {g} query heads per kv head, bound constant sqrt(2G) = {:.3}. Readout of the decision query (last prompt position) over every slot; one fact-region slot displaced per seed; gains are |change| / |displacement| by finite differences (`tolerable_carrier::readout`). Means over probes, kv heads, seeds, directions and magnitudes unless a magnitude is named. Absolute gains are per unit of key displacement; relative gains divide the readout's relative change by the key's (`|dS| / |S_j|` over `|delta| / |k_j|` for the logits of the slot, `|dP| / |P|` over `|delta| / |k_j|` for the weights). The paper does not define its normalisation in the text we have, so its absolute values are not ours to match; the off/on ratio is unit-free in both.\n",
+                "{model}, {probes} probes (SQuAD items read with their full passage), G = {g} query heads per kv head, bound constant sqrt(2G) = {:.3}. Readout of the decision query (last prompt position) over every slot; one fact-region slot displaced per seed; gains are |change| / |displacement| by finite differences (`tolerable_carrier::readout`). Means over probes, kv heads, seeds, directions and magnitudes unless a magnitude is named, ± their standard error over probes. Absolute gains are per unit of key displacement; relative gains divide the readout's relative change by the key's (`|dS| / |S_j|` over `|delta| / |k_j|` for the logits of the slot, `|dP| / |P|` over `|delta| / |k_j|` for the weights). The paper does not define its normalisation in the text we have, so its absolute values are not ours to match; the off/on ratio is unit-free in both.\n",
                 (2.0 * g as f64).sqrt()
             );
             let _ = writeln!(
@@ -123,8 +143,8 @@ pub fn write(run_dir: &Path, meta: &serde_json::Value) -> Result<PathBuf> {
                 let _ = writeln!(
                     md,
                     "| {stage} | {} | {} | {} | {paper} |",
-                    val(find(&rows, metric, None, Some("off_manifold"), None)),
-                    val(find(&rows, metric, None, Some("on_manifold"), None)),
+                    val_se(&rows, metric, None, Some("off_manifold"), None),
+                    val_se(&rows, metric, None, Some("on_manifold"), None),
                     val(find(&rows, metric, None, Some("off_over_on"), None)),
                 );
             }
@@ -247,7 +267,7 @@ pub fn write(run_dir: &Path, meta: &serde_json::Value) -> Result<PathBuf> {
             let _ = writeln!(md, "# Quantization against noise `{name}`\n");
             let _ = writeln!(
                 md,
-                "{model}, {probes} probes. Symmetric per-slot integer round trips of the whole cache (keys and values) against Gaussian noise of the same displacement norm slot by slot; attention output of the decision query's G = {g} heads per kv head, relative error; the share of the key displacement in the question queries' principal subspace (isotropic share: {}). Means over probes, layers and kv heads.\n",
+                "{model}, {probes} probes. Symmetric per-slot integer round trips of the whole cache (keys and values) against Gaussian noise of the same displacement norm slot by slot; attention output of the decision query's G = {g} heads per kv head, relative error; the share of the key displacement in the question queries' principal subspace (isotropic share: {}). Means over probes, layers and kv heads, ± their standard error over probes.\n",
                 val(find(&rows, "query_share_isotropic", None, None, None))
             );
             let _ = writeln!(md, "| displacement | norm | relative norm | attention-output error | query-subspace share |");
@@ -269,9 +289,9 @@ pub fn write(run_dir: &Path, meta: &serde_json::Value) -> Result<PathBuf> {
                     "| {v} | {} | {} | {} | {} |",
                     m.map(|m| format!("fixed {m}"))
                         .unwrap_or_else(|| "own".into()),
-                    val(find(&rows, "displacement", None, Some(v), *m)),
-                    val(find(&rows, "output_error", None, Some(v), *m)),
-                    val(find(&rows, "query_share", None, Some(v), *m)),
+                    val_se(&rows, "displacement", None, Some(v), *m),
+                    val_se(&rows, "output_error", None, Some(v), *m),
+                    val_se(&rows, "query_share", None, Some(v), *m),
                 );
             }
             let _ = writeln!(md, "\nPaper 1 (appendix E, a six-probe pilot): at displacement norm 0.05, quantization's attention-output error 0.153 against noise's 0.129, query-subspace share 0.447 against 0.354; int8 displacement norm 0.0048.\n");
