@@ -519,8 +519,9 @@ fn plot_axes(
     Ok(out)
 }
 
-/// Every arm's accuracy with its 95% interval, in the summary's order, with
-/// the floor and the native reference as horizontal lines.
+/// Every arm's accuracy with its 95% interval as horizontal bars, the
+/// summary's first arm on top (arm names, however long, stay readable),
+/// with the floor and the native reference as vertical lines.
 fn draw_by_arm(
     path: &Path,
     rows: &[SummaryRow],
@@ -528,31 +529,34 @@ fn draw_by_arm(
     native: Option<&SummaryRow>,
 ) -> std::result::Result<(), Box<dyn std::error::Error>> {
     let n = rows.len();
-    let width = (160 + 90 * n as u32).clamp(640, 2400);
-    let root = BitMapBackend::new(path, (width, 560)).into_drawing_area();
-    root.fill(&WHITE)?;
     let names: Vec<String> = rows.iter().map(|r| r.arm.arm.clone()).collect();
-    let x1 = n as f64 - 0.5;
+    let longest = names.iter().map(|s| s.chars().count()).max().unwrap_or(4) as u32;
+    let label_area = (20 + 8 * longest).min(900);
+    let height = (120 + 36 * n as u32).clamp(300, 4000);
+    let root = BitMapBackend::new(path, (label_area + 700, height)).into_drawing_area();
+    root.fill(&WHITE)?;
+    // Row i of the summary sits at y = n - 1 - i.
+    let y_of = |i: usize| (n - 1 - i) as f64;
+    let y1 = n as f64 - 0.5;
     let mut chart = ChartBuilder::on(&root)
         .caption("accuracy by arm", ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(-0.5f64..x1, 0f64..1f64)?;
+        .y_label_area_size(label_area)
+        .build_cartesian_2d(0f64..1f64, -0.5f64..y1)?;
     chart
         .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(n + 1)
-        .x_label_formatter(&|x: &f64| {
-            let i = x.round();
-            if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
-                names[i as usize].clone()
+        .disable_y_mesh()
+        .y_labels(n + 1)
+        .y_label_formatter(&|y: &f64| {
+            let j = y.round();
+            if (y - j).abs() < 1e-6 && j >= 0.0 && (j as usize) < n {
+                names[n - 1 - j as usize].clone()
             } else {
                 String::new()
             }
         })
-        .x_desc("arm")
-        .y_desc("accuracy (95% CI)")
+        .x_desc("accuracy (95% CI)")
         .label_style(("sans-serif", 14))
         .draw()?;
     for (row, color, label) in [(floor, BLACK, "floor"), (native, BLUE, "native reference")] {
@@ -560,7 +564,7 @@ fn draw_by_arm(
             let style = ShapeStyle::from(&color.mix(0.7)).stroke_width(2);
             chart
                 .draw_series(LineSeries::new(
-                    [(-0.5, r.accuracy), (x1, r.accuracy)],
+                    [(r.accuracy, -0.5), (r.accuracy, y1)],
                     style,
                 ))?
                 .label(format!("{label} {:.3}", r.accuracy))
@@ -570,13 +574,13 @@ fn draw_by_arm(
     let color = Palette99::pick(1).to_rgba();
     chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
         Rectangle::new(
-            [(i as f64 - 0.3, 0.0), (i as f64 + 0.3, r.accuracy)],
+            [(0.0, y_of(i) - 0.3), (r.accuracy, y_of(i) + 0.3)],
             color.mix(0.5).filled(),
         )
     }))?;
     chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
-        ErrorBar::new_vertical(
-            i as f64,
+        ErrorBar::new_horizontal(
+            y_of(i),
             r.ci_lo.max(0.0),
             r.accuracy,
             r.ci_hi.min(1.0),
@@ -586,6 +590,7 @@ fn draw_by_arm(
     }))?;
     chart
         .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .label_font(("sans-serif", 14))
