@@ -519,6 +519,60 @@ fn plot_axes(
     Ok(out)
 }
 
+/// A figure's chart: two f64 axes drawn to a PNG file.
+pub(crate) type Chart<'a, 'b> = ChartContext<
+    'a,
+    BitMapBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// Straight reference lines, each labelled in the legend: `ends` gives a
+/// line's two ends for its value (across the x axis for a horizontal line,
+/// along it for a vertical one).
+pub(crate) fn reference_lines(
+    chart: &mut Chart,
+    lines: &[(String, f64, RGBColor)],
+    ends: impl Fn(f64) -> [(f64, f64); 2],
+) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    for (label, value, color) in lines {
+        let style = ShapeStyle::from(&color.mix(0.7)).stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(ends(*value), style))?
+            .label(label.clone())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], style));
+    }
+    Ok(())
+}
+
+/// The anchors of a run as reference lines: the floor in black, the native
+/// reference in blue, each with its accuracy in the legend.
+fn anchor_lines(
+    floor: Option<&SummaryRow>,
+    native: Option<&SummaryRow>,
+) -> Vec<(String, f64, RGBColor)> {
+    [(floor, BLACK, "floor"), (native, BLUE, "native reference")]
+        .into_iter()
+        .filter_map(|(row, color, label)| {
+            row.map(|r| (format!("{label} {:.3}", r.accuracy), r.accuracy, color))
+        })
+        .collect()
+}
+
+/// The legend box every figure draws, at `position`.
+pub(crate) fn legend<'a>(
+    chart: &mut Chart<'a, 'a>,
+    position: SeriesLabelPosition,
+) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()?;
+    Ok(())
+}
+
 /// Every arm's accuracy with its 95% interval as horizontal bars, the
 /// summary's first arm on top (arm names, however long, stay readable),
 /// with the floor and the native reference as vertical lines.
@@ -559,18 +613,9 @@ fn draw_by_arm(
         .x_desc("accuracy (95% CI)")
         .label_style(("sans-serif", 14))
         .draw()?;
-    for (row, color, label) in [(floor, BLACK, "floor"), (native, BLUE, "native reference")] {
-        if let Some(r) = row {
-            let style = ShapeStyle::from(&color.mix(0.7)).stroke_width(2);
-            chart
-                .draw_series(LineSeries::new(
-                    [(r.accuracy, -0.5), (r.accuracy, y1)],
-                    style,
-                ))?
-                .label(format!("{label} {:.3}", r.accuracy))
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], style));
-        }
-    }
+    reference_lines(&mut chart, &anchor_lines(floor, native), |a| {
+        [(a, -0.5), (a, y1)]
+    })?;
     let color = Palette99::pick(1).to_rgba();
     chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
         Rectangle::new(
@@ -588,13 +633,7 @@ fn draw_by_arm(
             10,
         )
     }))?;
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()?;
+    legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     root.present()?;
     Ok(())
 }
@@ -629,15 +668,9 @@ fn draw(
         .y_desc("accuracy (95% CI)")
         .label_style(("sans-serif", 14))
         .draw()?;
-    for (row, color, label) in [(floor, BLACK, "floor"), (native, BLUE, "native reference")] {
-        if let Some(r) = row {
-            let style = ShapeStyle::from(&color.mix(0.7)).stroke_width(2);
-            chart
-                .draw_series(LineSeries::new([(x0, r.accuracy), (x1, r.accuracy)], style))?
-                .label(format!("{label} {:.3}", r.accuracy))
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], style));
-        }
-    }
+    reference_lines(&mut chart, &anchor_lines(floor, native), |a| {
+        [(x0, a), (x1, a)]
+    })?;
     for (i, (family, pts)) in families.iter().enumerate() {
         let color = Palette99::pick(i + 1).to_rgba();
         let mut pts = pts.clone();
@@ -661,12 +694,7 @@ fn draw(
             )
         }))?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()?;
+    legend(&mut chart, SeriesLabelPosition::MiddleRight)?;
     root.present()?;
     Ok(())
 }

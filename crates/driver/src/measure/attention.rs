@@ -634,7 +634,9 @@ pub fn summarize(
 ) -> Vec<MeasureRow> {
     type Key = (Option<i64>, Option<String>, Option<u64>, String);
     let mut by: BTreeMap<Key, Mean> = BTreeMap::new();
-    // The same cells split by probe (the row's context), for the standard errors.
+    // The same cells split by probe (the row's context), for the standard
+    // errors. `by` is not derived from these: summing per-probe partial sums
+    // would change the published means in their last bits.
     let mut per_probe: BTreeMap<Key, BTreeMap<Option<String>, Mean>> = BTreeMap::new();
     for r in rows
         .iter()

@@ -713,14 +713,13 @@ pub(crate) fn line_chart(
         .y_desc(y_desc)
         .label_style(("sans-serif", 14))
         .draw()?;
-    for (i, (label, y)) in hlines.iter().enumerate() {
-        let color = if i == 0 { BLACK } else { BLUE };
-        let style = ShapeStyle::from(&color.mix(0.7)).stroke_width(2);
-        chart
-            .draw_series(LineSeries::new([(x0, *y), (x1, *y)], style))?
-            .label(label.clone())
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], style));
-    }
+    // The first line black, the others blue.
+    let lines: Vec<(String, f64, RGBColor)> = hlines
+        .iter()
+        .enumerate()
+        .map(|(i, (label, y))| (label.clone(), *y, if i == 0 { BLACK } else { BLUE }))
+        .collect();
+    crate::report::reference_lines(&mut chart, &lines, |y| [(x0, y), (x1, y)])?;
     for (i, s) in series.iter().enumerate() {
         if s.points.is_empty() {
             continue;
@@ -738,12 +737,7 @@ pub(crate) fn line_chart(
                 .map(|&(x, y)| Circle::new((x, y), 3, color.filled())),
         )?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()?;
+    crate::report::legend(&mut chart, SeriesLabelPosition::MiddleRight)?;
     root.present()?;
     Ok(())
 }
