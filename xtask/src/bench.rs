@@ -158,13 +158,24 @@ pub struct BenchOptions {
     /// code path as the forward (for choosing a matmul backend on a machine).
     #[arg(long)]
     pub matmul_only: bool,
+    /// With `--matmul-only`: also time both orientations of each product
+    /// at these row counts (comma-separated): `x Wᵀ` and `(W xᵀ)ᵀ`, the
+    /// two ways gemm can be given the same product, interleaved (the
+    /// forward takes the second up to 32 rows).
+    #[arg(long, value_delimiter = ',')]
+    pub matmul_rows: Vec<usize>,
 }
 
 /// GFLOP/s of the forward's projections at the model's shapes (random f32
 /// weights and activations; the product as [`Proj::forward`] forms it).
 ///
 /// [`Proj::forward`]: tolerable_runtime::Proj::forward
-fn matmul_figures(ck: &Checkpoint, prompt_tokens: usize, reps: usize) -> Result<serde_json::Value> {
+fn matmul_figures(
+    ck: &Checkpoint,
+    prompt_tokens: usize,
+    reps: usize,
+    orientation_rows: &[usize],
+) -> Result<serde_json::Value> {
     let c = ck.model.config();
     let dev = candle_core::Device::Cpu;
     let qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim;
@@ -221,7 +232,59 @@ fn matmul_figures(ck: &Checkpoint, prompt_tokens: usize, reps: usize) -> Result<
             out.push(fig);
         }
     }
-    Ok(serde_json::json!({ "backend": tolerable_runtime::matmul_backend(false), "products": out }))
+    let orientations = orientation_figures(&shapes, orientation_rows, reps)?;
+    Ok(serde_json::json!({
+        "backend": tolerable_runtime::matmul_backend(false),
+        "products": out,
+        "orientations": orientations,
+    }))
+}
+
+/// Both orientations of each product (the LM head's too: a decoding batch
+/// forms every sequence's logits) at `rows`:
+/// `x Wᵀ` and `(W xᵀ)ᵀ`, interleaved, in GFLOP/s, with the second's time
+/// over the first's.
+fn orientation_figures(
+    shapes: &[(&str, usize, usize)],
+    rows: &[usize],
+    reps: usize,
+) -> Result<Vec<serde_json::Value>> {
+    let dev = candle_core::Device::Cpu;
+    let mut out = Vec::new();
+    for &(name, k, n) in shapes {
+        let w = candle_core::Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+        for &m in rows {
+            let x = candle_core::Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+            let ts = interleaved(
+                reps,
+                &mut [
+                    &mut || {
+                        x.matmul(&w.t()?)?;
+                        Ok(())
+                    },
+                    &mut || {
+                        w.matmul(&x.t()?)?.t()?.contiguous()?;
+                        Ok(())
+                    },
+                ],
+            )?;
+            let flop = 2.0 * (m * k * n) as f64;
+            eprintln!(
+                "  {name} {m}x{k}->{n}: x Wt {:.1} GFLOP/s, (W xt)t {:.1} GFLOP/s ({:.2}x the time)",
+                flop / ts[0] / 1e9,
+                flop / ts[1] / 1e9,
+                ts[1] / ts[0]
+            );
+            out.push(serde_json::json!({
+                "product": name, "rows": m, "in": k, "out": n,
+                "x_wt_seconds": ts[0], "w_xt_t_seconds": ts[1],
+                "x_wt_gflop_per_s": flop / ts[0] / 1e9,
+                "w_xt_t_gflop_per_s": flop / ts[1] / 1e9,
+                "w_xt_t_over_x_wt": ts[1] / ts[0],
+            }));
+        }
+    }
+    Ok(out)
 }
 
 /// The driver's figures: the 20-arm grid (unless skipped), item batching
@@ -262,7 +325,7 @@ pub fn run(o: BenchOptions) -> Result<()> {
     // The driver-only figures: one section beside the model and threads.
     let section: Option<(&str, &Figure)> = if o.matmul_only {
         Some(("matmul", &|ck: &Checkpoint| {
-            matmul_figures(ck, o.prompt_tokens, o.reps)
+            matmul_figures(ck, o.prompt_tokens, o.reps, &o.matmul_rows)
         }))
     } else if o.train_only {
         Some(("bridge", &|ck: &Checkpoint| {
