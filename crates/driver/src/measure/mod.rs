@@ -915,7 +915,7 @@ mod tests {
         let (n, v) = (37, 501);
         let wave = |k: f32| -> Vec<f32> {
             (0..n * v)
-                .map(|i| ((i as f32 * k).sin() * 4.0 + (i % 7) as f32 * 0.3))
+                .map(|i| (i as f32 * k).sin() * 4.0 + (i % 7) as f32 * 0.3)
                 .collect()
         };
         let a = Tensor::from_vec(wave(0.37), (1, n, v), &dev).unwrap();

@@ -221,7 +221,7 @@ fn render(
     let dirt: Vec<String> = taus
         .iter()
         .map(|&t| {
-            let by = by_layer(&rows, "dirtiness", "dirtiness", None, Some(t));
+            let by = by_layer(rows, "dirtiness", "dirtiness", None, Some(t));
             let first = by.iter().find(|(_, (v, _))| *v >= 0.9).map(|(l, _)| *l);
             match first {
                 Some(l) => format!("tau {t}: layer {l} of {n_layers}"),
@@ -280,8 +280,8 @@ fn render(
     let mut agree_cells = Vec::new();
     let mut red_cells = Vec::new();
     for &v in &variants {
-        let a = by_layer(&rows, "mode_d", "agreement", Some(v), None);
-        let k = by_layer(&rows, "mode_d", "kl_reduction", Some(v), None);
+        let a = by_layer(rows, "mode_d", "agreement", Some(v), None);
+        let k = by_layer(rows, "mode_d", "kl_reduction", Some(v), None);
         agree_cells.extend(range_cell(
             v,
             early.iter().filter_map(|l| a.get(l).map(|x| x.0)),
@@ -293,7 +293,7 @@ fn render(
             ratio,
         ));
     }
-    let stale_agree = scalar(&rows, "stale", "agreement");
+    let stale_agree = scalar(rows, "stale", "agreement");
     let _ = writeln!(
         md,
         "| top-1 agreement with the full recompute, early layers (measured l in 1..{early_end}: {}) | .91-.98 (below the 0.99 line) | {}; stale reuse {} |",
@@ -310,11 +310,11 @@ fn render(
     // at every l, so KL(stale) / KL(Mode D) also credits the recompute of
     // blocks l..L; the zero delta (no edit information, the same recompute)
     // isolates what the delta adds.
-    let zero_kl = by_layer(&rows, "mode_d", "kl_mode_d", Some("zero"), None);
+    let zero_kl = by_layer(rows, "mode_d", "kl_mode_d", Some("zero"), None);
     let mut over_zero_cells = Vec::new();
     if !zero_kl.is_empty() {
         for &v in variants.iter().filter(|&&v| v != "zero") {
-            let k = by_layer(&rows, "mode_d", "kl_mode_d", Some(v), None);
+            let k = by_layer(rows, "mode_d", "kl_mode_d", Some(v), None);
             over_zero_cells.extend(range_cell(
                 v,
                 early
@@ -331,9 +331,9 @@ fn render(
     }
     let mut save_cells = Vec::new();
     for &v in &variants {
-        let f = by_layer(&rows, "compute", "saving_vs_prefix_reuse", Some(v), None);
+        let f = by_layer(rows, "compute", "saving_vs_prefix_reuse", Some(v), None);
         let s = by_layer(
-            &rows,
+            rows,
             "compute",
             "seconds_saving_vs_prefix_reuse",
             Some(v),
@@ -358,7 +358,7 @@ fn render(
     );
     let _ = writeln!(md);
     for &v in &variants {
-        let a = by_layer(&rows, "mode_d", "agreement", Some(v), None);
+        let a = by_layer(rows, "mode_d", "agreement", Some(v), None);
         let above: Vec<String> = a
             .iter()
             .filter(|(_, x)| x.0 >= AGREEMENT_LINE)
@@ -406,12 +406,12 @@ fn render(
         .iter()
         .map(|v| {
             [
-                by_layer(&rows, "mode_d", "agreement", Some(v), None),
-                by_layer(&rows, "mode_d", "kl_mode_d", Some(v), None),
-                by_layer(&rows, "mode_d", "kl_reduction", Some(v), None),
-                by_layer(&rows, "compute", "saving_vs_prefix_reuse", Some(v), None),
+                by_layer(rows, "mode_d", "agreement", Some(v), None),
+                by_layer(rows, "mode_d", "kl_mode_d", Some(v), None),
+                by_layer(rows, "mode_d", "kl_reduction", Some(v), None),
+                by_layer(rows, "compute", "saving_vs_prefix_reuse", Some(v), None),
                 by_layer(
-                    &rows,
+                    rows,
                     "compute",
                     "seconds_saving_vs_prefix_reuse",
                     Some(v),
@@ -420,7 +420,7 @@ fn render(
             ]
         })
         .collect();
-    let oracle = by_layer(&rows, "mode_d", "kl_mode_d", Some("oracle"), None);
+    let oracle = by_layer(rows, "mode_d", "kl_mode_d", Some("oracle"), None);
     let cell = |m: &BTreeMap<i64, (f64, i64)>, l: i64, f: &dyn Fn(f64) -> String| {
         m.get(&l).map(|x| f(x.0)).unwrap_or_else(|| "–".into())
     };
@@ -450,9 +450,9 @@ fn render(
         md,
         "\nStale reuse: agreement {}, mean KL {}. Prefix KV reuse saves {} of the full recompute's FLOPs ({} of its wall time).\n",
         stale_agree.map(|a| format!("{a:.3}")).unwrap_or("–".into()),
-        scalar(&rows, "stale", "kl_stale").map(|a| format!("{a:.3e}")).unwrap_or("–".into()),
-        scalar(&rows, "compute", "saving_prefix_reuse_vs_full").map(pct).unwrap_or("–".into()),
-        scalar(&rows, "compute", "seconds_saving_prefix_reuse_vs_full").map(pct).unwrap_or("–".into()),
+        scalar(rows, "stale", "kl_stale").map(|a| format!("{a:.3e}")).unwrap_or("–".into()),
+        scalar(rows, "compute", "saving_prefix_reuse_vs_full").map(pct).unwrap_or("–".into()),
+        scalar(rows, "compute", "seconds_saving_prefix_reuse_vs_full").map(pct).unwrap_or("–".into()),
     );
 
     // Dirtiness table.
@@ -472,9 +472,9 @@ fn render(
     let _ = writeln!(md, "{head}\n{sep}");
     let dts: Vec<_> = taus
         .iter()
-        .map(|&t| by_layer(&rows, "dirtiness", "dirtiness", None, Some(t)))
+        .map(|&t| by_layer(rows, "dirtiness", "dirtiness", None, Some(t)))
         .collect();
-    let rel = by_layer(&rows, "dirtiness", "rel_l2_mean", None, None);
+    let rel = by_layer(rows, "dirtiness", "rel_l2_mean", None, None);
     for l in 0..=n_layers {
         let mut line = format!("| {l} |");
         for d in &dts {
@@ -527,7 +527,7 @@ fn render(
         Some(_) => ("report-interim.md", "plots-interim"),
         None => ("report.md", "plots"),
     };
-    let plots = plots(run_dir, plot_dir, &rows, &variants, &taus, n_layers, &inj)?;
+    let plots = plots(run_dir, plot_dir, rows, &variants, &taus, n_layers, &inj)?;
     let _ = writeln!(md, "\n## Figures\n");
     for p in plots {
         let rel = p.strip_prefix(run_dir).unwrap_or(&p).display().to_string();
