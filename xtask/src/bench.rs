@@ -186,10 +186,12 @@ fn matmul_figures(
         ("down", c.d_ffn, c.d_model),
         ("lm_head", c.d_model, c.vocab_size),
     ];
-    let mut out = Vec::new();
+    let (mut out, mut orientations) = (Vec::new(), Vec::new());
     for (name, k, n) in shapes {
-        let w =
-            tolerable_runtime::Proj::Dense(candle_core::Tensor::randn(0f32, 1.0, (n, k), &dev)?);
+        let wt = candle_core::Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+        // The same weights for both arrangements' figures.
+        orientation_figures(name, &wt, orientation_rows, reps, &mut orientations)?;
+        let w = tolerable_runtime::Proj::Dense(wt);
         for rows in [prompt_tokens, 16, 1] {
             if name == "lm_head" && rows != 1 {
                 continue; // the forward takes the LM head at the last position only
@@ -232,7 +234,6 @@ fn matmul_figures(
             out.push(fig);
         }
     }
-    let orientations = orientation_figures(&shapes, orientation_rows, reps)?;
     Ok(serde_json::json!({
         "backend": tolerable_runtime::matmul_backend(false),
         "products": out,
@@ -240,51 +241,50 @@ fn matmul_figures(
     }))
 }
 
-/// Both orientations of each product (the LM head's too: a decoding batch
-/// forms every sequence's logits) at `rows`:
+/// Both arrangements of the product by `w` `[out, in]` (the LM head's too:
+/// a decoding batch forms every sequence's logits) at each of `rows`:
 /// `x Wᵀ` and `(W xᵀ)ᵀ`, interleaved, in GFLOP/s, with the second's time
-/// over the first's.
+/// over the first's; appended to `out`.
 fn orientation_figures(
-    shapes: &[(&str, usize, usize)],
+    name: &str,
+    w: &candle_core::Tensor,
     rows: &[usize],
     reps: usize,
-) -> Result<Vec<serde_json::Value>> {
+    out: &mut Vec<serde_json::Value>,
+) -> Result<()> {
     let dev = candle_core::Device::Cpu;
-    let mut out = Vec::new();
-    for &(name, k, n) in shapes {
-        let w = candle_core::Tensor::randn(0f32, 1.0, (n, k), &dev)?;
-        for &m in rows {
-            let x = candle_core::Tensor::randn(0f32, 1.0, (m, k), &dev)?;
-            let ts = interleaved(
-                reps,
-                &mut [
-                    &mut || {
-                        x.matmul(&w.t()?)?;
-                        Ok(())
-                    },
-                    &mut || {
-                        w.matmul(&x.t()?)?.t()?.contiguous()?;
-                        Ok(())
-                    },
-                ],
-            )?;
-            let flop = 2.0 * (m * k * n) as f64;
-            eprintln!(
-                "  {name} {m}x{k}->{n}: x Wt {:.1} GFLOP/s, (W xt)t {:.1} GFLOP/s ({:.2}x the time)",
-                flop / ts[0] / 1e9,
-                flop / ts[1] / 1e9,
-                ts[1] / ts[0]
-            );
-            out.push(serde_json::json!({
-                "product": name, "rows": m, "in": k, "out": n,
-                "x_wt_seconds": ts[0], "w_xt_t_seconds": ts[1],
-                "x_wt_gflop_per_s": flop / ts[0] / 1e9,
-                "w_xt_t_gflop_per_s": flop / ts[1] / 1e9,
-                "w_xt_t_over_x_wt": ts[1] / ts[0],
-            }));
-        }
+    let (n, k) = w.dims2()?;
+    for &m in rows {
+        let x = candle_core::Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+        let ts = interleaved(
+            reps,
+            &mut [
+                &mut || {
+                    x.matmul(&w.t()?)?;
+                    Ok(())
+                },
+                &mut || {
+                    w.matmul(&x.t()?)?.t()?.contiguous()?;
+                    Ok(())
+                },
+            ],
+        )?;
+        let flop = 2.0 * (m * k * n) as f64;
+        eprintln!(
+            "  {name} {m}x{k}->{n}: x Wt {:.1} GFLOP/s, (W xt)t {:.1} GFLOP/s ({:.2}x the time)",
+            flop / ts[0] / 1e9,
+            flop / ts[1] / 1e9,
+            ts[1] / ts[0]
+        );
+        out.push(serde_json::json!({
+            "product": name, "rows": m, "in": k, "out": n,
+            "x_wt_seconds": ts[0], "w_xt_t_seconds": ts[1],
+            "x_wt_gflop_per_s": flop / ts[0] / 1e9,
+            "w_xt_t_gflop_per_s": flop / ts[1] / 1e9,
+            "w_xt_t_over_x_wt": ts[1] / ts[0],
+        }));
     }
-    Ok(out)
+    Ok(())
 }
 
 /// The driver's figures: the 20-arm grid (unless skipped), item batching
