@@ -85,8 +85,9 @@ enum Cmd {
     Report {
         /// The run folder (holding run.json and summary.parquet).
         dir: PathBuf,
-        /// A Mode D run in progress: report-interim.md from the units
-        /// written so far, marked as interim.
+        /// A run in progress (a sweep, or a Mode D measurement):
+        /// report-interim.md and plots-interim/ from the cells or units
+        /// written so far, marked as interim; nothing else is touched.
         #[arg(long)]
         interim: bool,
     },

@@ -137,7 +137,7 @@ pub fn run(a: SweepArgs) -> Result<()> {
 
 pub fn report(dir: PathBuf, interim: bool) -> Result<()> {
     let r = if interim {
-        tolerable_driver::measure::report::write_interim(&dir)?
+        tolerable_driver::report::write_interim(&dir)?
     } else {
         tolerable_driver::report::write(&dir)?
     };

@@ -42,16 +42,59 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
     }
     if !run_dir.join("summary.parquet").exists() {
         return Err(DriverError::Records(format!(
-            "{} has no summary.parquet: the sweep has unfinished cells (rerun it, or merge its shards)",
+            "{} has no summary.parquet: the sweep has unfinished cells (rerun it, or merge its shards; `report --interim` reads the cells finished so far)",
             run_dir.display()
         )));
     }
     let rows = read_rows(run_dir)?;
+    render(run_dir, &meta, &rows, None)
+}
+
+/// Writes `report-interim.md` and `plots-interim/*.png` for a run in
+/// progress from what it has written so far, with a banner saying how much
+/// of the run that is: a sweep's finished cells
+/// ([`crate::sweep::interim_summary`]) or a Mode D measurement's units
+/// ([`crate::measure::report::write_interim`]). The finished run's
+/// `report.md` and `plots/` are not touched. Returns the report's path.
+pub fn write_interim(run_dir: &Path) -> Result<PathBuf> {
+    let meta_path = run_dir.join("run.json");
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&meta_path)
+            .map_err(io(format!("reading {}", meta_path.display())))?,
+    )
+    .map_err(|e| DriverError::Records(format!("{}: {e}", meta_path.display())))?;
+    if meta["kind"] == "measure" {
+        return crate::measure::report::write_interim(run_dir);
+    }
+    let (rows, coverage) = crate::sweep::interim_summary(run_dir)?;
+    render(run_dir, &meta, &rows, Some(&coverage))
+}
+
+/// The report over summary rows: the finished run's, or an interim one's
+/// with its coverage.
+fn render(
+    run_dir: &Path,
+    meta: &serde_json::Value,
+    rows: &[SummaryRow],
+    interim: Option<&crate::sweep::SweepCoverage>,
+) -> Result<PathBuf> {
+    let rows = rows.to_vec();
     let anchor = |name: &str| rows.iter().find(|r| r.arm.arm == name).cloned();
     let (floor, native) = (anchor("floor"), anchor("native"));
     let mut md = String::new();
     let name = meta["name"].as_str().unwrap_or("run");
     let _ = writeln!(md, "# Run `{name}`\n");
+    if let Some(c) = interim {
+        let _ = writeln!(
+            md,
+            "**Interim, not the run's result:** {} of {} cells finished ({} of {} items; cells {}). Each cell holds consecutive items of the seeded sample, so these are a random subset of it; every figure below, the anchors included, is over these items only.\n",
+            c.finished.len(),
+            c.cells,
+            c.items,
+            c.n,
+            cell_ranges(&c.finished)
+        );
+    }
     let _ = writeln!(
         md,
         "- model: `{}` ({}), sha256 `{}`",
@@ -164,15 +207,19 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
             r.bit_exact_items.map(|k| format!("{k}/{}", r.n_items)).unwrap_or_else(|| "–".into())
         );
     }
-    let notes = construction_notes(&rows, &meta);
+    let notes = construction_notes(&rows, meta);
     if !notes.is_empty() {
         let _ = writeln!(md, "\n## Notes\n");
         for n in notes {
             let _ = writeln!(md, "- {n}");
         }
     }
-    let mut plots = plot_axes(run_dir, &rows, floor.as_ref(), native.as_ref())?;
-    plots.extend(resource_curves(run_dir, &mut md)?);
+    let (file, plot_dir) = match interim {
+        Some(_) => ("report-interim.md", run_dir.join("plots-interim")),
+        None => ("report.md", run_dir.join("plots")),
+    };
+    let mut plots = plot_axes(&plot_dir, &rows, floor.as_ref(), native.as_ref())?;
+    plots.extend(resource_curves(run_dir, &plot_dir, &mut md)?);
     if !plots.is_empty() {
         let _ = writeln!(md, "\n## Plots\n");
         for p in plots {
@@ -180,14 +227,33 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
             let _ = writeln!(md, "![{rel}]({rel})\n");
         }
     }
-    let out = run_dir.join("report.md");
+    let out = run_dir.join(file);
     std::fs::write(&out, md).map_err(io(format!("writing {}", out.display())))?;
     Ok(out)
 }
 
+/// Cell numbers as ranges: `0-6, 9`.
+fn cell_ranges(cells: &[usize]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cells.len() {
+        let mut j = i;
+        while j + 1 < cells.len() && cells[j + 1] == cells[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            cells[i].to_string()
+        } else {
+            format!("{}-{}", cells[i], cells[j])
+        });
+        i = j + 1;
+    }
+    parts.join(", ")
+}
+
 /// The training curves of the run's resources (`resources.parquet`): a
-/// table per resource in `md` and a loss plot each.
-fn resource_curves(run_dir: &Path, md: &mut String) -> Result<Vec<PathBuf>> {
+/// table per resource in `md` and a loss plot each in `plot_dir`.
+fn resource_curves(run_dir: &Path, plot_dir: &Path, md: &mut String) -> Result<Vec<PathBuf>> {
     let path = run_dir.join("resources.parquet");
     if !path.exists() {
         return Ok(Vec::new());
@@ -209,7 +275,7 @@ fn resource_curves(run_dir: &Path, md: &mut String) -> Result<Vec<PathBuf>> {
         return Ok(out);
     }
     let _ = writeln!(md, "\n## Trained resources\n");
-    let dir = run_dir.join("plots");
+    let dir = plot_dir;
     std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
     for (name, epochs) in &by {
         let _ = writeln!(
@@ -438,7 +504,7 @@ fn short_of_target(
 /// cosine, logit correlation and achieved cosine, a series per family)
 /// where arms measured them.
 fn plot_axes(
-    run_dir: &Path,
+    dir: &Path,
     rows: &[SummaryRow],
     floor: Option<&SummaryRow>,
     native: Option<&SummaryRow>,
@@ -465,8 +531,7 @@ fn plot_axes(
         return Ok(Vec::new());
     }
     register_font()?;
-    let dir = run_dir.join("plots");
-    std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+    std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
     let mut out = Vec::new();
     // A run without a numeric grid axis (a set of named arms, such as the
     // substitution bound) gets one figure: every arm's accuracy with its
@@ -702,6 +767,13 @@ fn draw(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finished_cells_read_as_ranges() {
+        assert_eq!(cell_ranges(&[0, 1, 2, 3, 4, 5, 6, 9]), "0-6, 9");
+        assert_eq!(cell_ranges(&[2]), "2");
+        assert_eq!(cell_ranges(&[0, 2, 3, 5]), "0, 2-3, 5");
+    }
 
     #[test]
     fn fidelity_series_split_by_carrier_not_by_target() {

@@ -1255,8 +1255,16 @@ fn finish(cfg: &SweepConfig, dir: &Path, n_cells: usize, computed: usize) -> Res
         return Ok(out);
     }
     let items = records::read_items(dir)?;
-    // The arms' columns as the cells recorded them (resource hashes
-    // included); cells of shards that read other resources do not merge.
+    let rows = summary_rows(cfg, &items)?;
+    records::write_rows(rows, &dir.join("summary.parquet"))?;
+    out.summary_written = true;
+    Ok(out)
+}
+
+/// The per-arm summary of item rows, with the arms' columns as the cells
+/// recorded them (resource hashes included); cells of shards that read
+/// other resources do not merge.
+fn summary_rows(cfg: &SweepConfig, items: &[ItemRow]) -> Result<Vec<records::SummaryRow>> {
     let mut columns = Vec::with_capacity(cfg.arms.len());
     for pa in &cfg.arms {
         let mut rows = items.iter().filter(|r| r.arm.arm == pa.arm.name);
@@ -1271,10 +1279,83 @@ fn finish(cfg: &SweepConfig, dir: &Path, n_cells: usize, computed: usize) -> Res
         }
         columns.push(first.arm.clone());
     }
-    let rows = records::summarize(cfg, &columns, &items)?;
-    records::write_rows(rows, &dir.join("summary.parquet"))?;
-    out.summary_written = true;
-    Ok(out)
+    records::summarize(cfg, &columns, items)
+}
+
+/// How much of a sweep its finished cells cover (an interim summary's
+/// extent).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SweepCoverage {
+    /// Cells of the whole sweep.
+    pub cells: usize,
+    /// The finished cells, by number.
+    pub finished: Vec<usize>,
+    /// Items of the whole sweep's sample.
+    pub n: usize,
+    /// Items in the finished cells.
+    pub items: usize,
+}
+
+impl SweepCoverage {
+    /// Whether every cell is finished (the interim summary is then the
+    /// run's own).
+    pub fn complete(&self) -> bool {
+        self.finished.len() == self.cells
+    }
+}
+
+/// The summary of a sweep in progress over the cells it has finished,
+/// read from the run folder alone: the expanded config recorded in
+/// `run.json` (checked against its hash) and the cell files. Each cell
+/// holds consecutive items of the seeded sample, so the finished items are
+/// a seeded random subset of it; the anchors are re-read on the same
+/// items. Nothing in the folder is written or changed.
+pub fn interim_summary(dir: &Path) -> Result<(Vec<records::SummaryRow>, SweepCoverage)> {
+    let meta_path = dir.join("run.json");
+    let text = std::fs::read_to_string(&meta_path)
+        .map_err(io(format!("reading {}", meta_path.display())))?;
+    let meta: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| DriverError::Records(format!("{}: {e}", meta_path.display())))?;
+    let cfg: SweepConfig = serde_json::from_value(meta["config"].clone()).map_err(|e| {
+        DriverError::Records(format!(
+            "{}: its `config` is not a sweep config this build reads ({e})",
+            meta_path.display()
+        ))
+    })?;
+    let recorded = meta["config_hash"].as_str().unwrap_or("");
+    if cfg.hash() != recorded {
+        return Err(DriverError::Records(format!(
+            "{}: the recorded config hashes to {}, not its recorded hash {recorded}; it was written by a build with another config schema",
+            meta_path.display(),
+            cfg.hash()
+        )));
+    }
+    let n_cells = cfg.data.n.div_ceil(cfg.run.cell_items);
+    let finished: Vec<usize> = (0..n_cells)
+        .filter(|&c| cell_path(dir, c).exists())
+        .collect();
+    if finished.is_empty() {
+        return Err(DriverError::Records(format!(
+            "{}: no finished cells yet (none of its {n_cells} cell files under items/)",
+            dir.display()
+        )));
+    }
+    let items = records::read_items(dir)?;
+    let n_items = items
+        .iter()
+        .map(|r| r.item_id.as_str())
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    let rows = summary_rows(&cfg, &items)?;
+    Ok((
+        rows,
+        SweepCoverage {
+            cells: n_cells,
+            finished,
+            n: cfg.data.n,
+            items: n_items,
+        },
+    ))
 }
 
 #[cfg(test)]

@@ -301,6 +301,54 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     )
     .unwrap();
     assert_eq!((again.computed, again.skipped), (0, 3));
+
+    // The interim summary of a finished run is its summary, row for row.
+    let (interim, cov) = sweep::interim_summary(&out).unwrap();
+    assert!(cov.complete());
+    assert_eq!((cov.cells, cov.items, cov.n), (3, 5, 5));
+    let sacc = col(&snames, &srows, "accuracy");
+    assert_eq!(interim.len(), srows.len());
+    for (r, (a, acc)) in interim.iter().zip(sarm.iter().zip(&sacc)) {
+        assert_eq!(&r.arm.arm, a);
+        assert_eq!(r.accuracy, acc.parse::<f64>().unwrap(), "{a}");
+    }
+    // A run in progress: cells 0 and 2 of 3 (items 1-2 and 5), no summary.
+    let part = dir.path().join("part");
+    std::fs::create_dir_all(part.join("items")).unwrap();
+    std::fs::copy(out.join("run.json"), part.join("run.json")).unwrap();
+    assert!(tolerable_driver::report::write_interim(&part)
+        .unwrap_err()
+        .to_string()
+        .contains("no finished cells yet"));
+    for c in [0, 2] {
+        std::fs::copy(sweep::cell_path(&out, c), sweep::cell_path(&part, c)).unwrap();
+    }
+    let (rows_part, cov) = sweep::interim_summary(&part).unwrap();
+    assert_eq!((cov.finished.clone(), cov.items, cov.n), (vec![0, 2], 3, 5));
+    assert!(!cov.complete());
+    assert!(rows_part.iter().all(|r| r.n_items == 3));
+    assert!(tolerable_driver::report::write(&part)
+        .unwrap_err()
+        .to_string()
+        .contains("report --interim"));
+    let md =
+        std::fs::read_to_string(tolerable_driver::report::write_interim(&part).unwrap()).unwrap();
+    assert!(
+        md.contains(
+            "**Interim, not the run's result:** 2 of 3 cells finished (3 of 5 items; cells 0, 2)"
+        ),
+        "{md}"
+    );
+    assert!(part.join("plots-interim/accuracy_vs_layers.png").exists());
+    assert!(!part.join("report.md").exists() && !part.join("summary.parquet").exists());
+    // A run.json whose config no longer matches its hash is refused.
+    let mut meta = run_json(&part);
+    meta["config"]["data"]["n"] = serde_json::json!(4);
+    std::fs::write(part.join("run.json"), meta.to_string()).unwrap();
+    assert!(sweep::interim_summary(&part)
+        .unwrap_err()
+        .to_string()
+        .contains("not its recorded hash"));
 }
 
 #[test]
