@@ -276,7 +276,7 @@ fn resource_curves(run_dir: &Path, plot_dir: &Path, md: &mut String) -> Result<V
     }
     let _ = writeln!(md, "\n## Trained resources\n");
     let dir = plot_dir;
-    std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+    std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
     for (name, epochs) in &by {
         let _ = writeln!(
             md,
