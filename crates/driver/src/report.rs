@@ -30,12 +30,7 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 /// the report's path. A measurement run's folder gets its own report
 /// ([`crate::measure::report::write`]).
 pub fn write(run_dir: &Path) -> Result<PathBuf> {
-    let meta_path = run_dir.join("run.json");
-    let meta: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&meta_path)
-            .map_err(io(format!("reading {}", meta_path.display())))?,
-    )
-    .map_err(|e| DriverError::Records(format!("{}: {e}", meta_path.display())))?;
+    let meta = crate::measure::read_json(&run_dir.join("run.json"))?;
     // Measurement runs (`[measure]` configs) have reports of their own.
     if meta["kind"] == "measure" {
         return crate::measure::report::write(run_dir);
@@ -57,12 +52,7 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
 /// ([`crate::measure::report::write_interim`]). The finished run's
 /// `report.md` and `plots/` are not touched. Returns the report's path.
 pub fn write_interim(run_dir: &Path) -> Result<PathBuf> {
-    let meta_path = run_dir.join("run.json");
-    let meta: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&meta_path)
-            .map_err(io(format!("reading {}", meta_path.display())))?,
-    )
-    .map_err(|e| DriverError::Records(format!("{}: {e}", meta_path.display())))?;
+    let meta = crate::measure::read_json(&run_dir.join("run.json"))?;
     if meta["kind"] == "measure" {
         return crate::measure::report::write_interim(run_dir);
     }

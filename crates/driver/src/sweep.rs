@@ -1312,10 +1312,7 @@ impl SweepCoverage {
 /// items. Nothing in the folder is written or changed.
 pub fn interim_summary(dir: &Path) -> Result<(Vec<records::SummaryRow>, SweepCoverage)> {
     let meta_path = dir.join("run.json");
-    let text = std::fs::read_to_string(&meta_path)
-        .map_err(io(format!("reading {}", meta_path.display())))?;
-    let meta: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| DriverError::Records(format!("{}: {e}", meta_path.display())))?;
+    let meta = crate::measure::read_json(&meta_path)?;
     let cfg: SweepConfig = serde_json::from_value(meta["config"].clone()).map_err(|e| {
         DriverError::Records(format!(
             "{}: its `config` is not a sweep config this build reads ({e})",
