@@ -42,7 +42,7 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
         )));
     }
     let rows = read_rows(run_dir)?;
-    render(run_dir, &meta, &rows, None)
+    render(run_dir, &meta, rows, None)
 }
 
 /// Writes `report-interim.md` and `plots-interim/*.png` for a run in
@@ -57,7 +57,7 @@ pub fn write_interim(run_dir: &Path) -> Result<PathBuf> {
         return crate::measure::report::write_interim(run_dir);
     }
     let (rows, coverage) = crate::sweep::interim_summary(run_dir)?;
-    render(run_dir, &meta, &rows, Some(&coverage))
+    render(run_dir, &meta, rows, Some(&coverage))
 }
 
 /// The report over summary rows: the finished run's, or an interim one's
@@ -65,10 +65,9 @@ pub fn write_interim(run_dir: &Path) -> Result<PathBuf> {
 fn render(
     run_dir: &Path,
     meta: &serde_json::Value,
-    rows: &[SummaryRow],
+    rows: Vec<SummaryRow>,
     interim: Option<&crate::sweep::SweepCoverage>,
 ) -> Result<PathBuf> {
-    let rows = rows.to_vec();
     let anchor = |name: &str| rows.iter().find(|r| r.arm.arm == name).cloned();
     let (floor, native) = (anchor("floor"), anchor("native"));
     let mut md = String::new();
