@@ -264,8 +264,7 @@ fn resource_curves(run_dir: &Path, plot_dir: &Path, md: &mut String) -> Result<V
         return Ok(out);
     }
     let _ = writeln!(md, "\n## Trained resources\n");
-    let dir = plot_dir;
-    std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+    std::fs::create_dir_all(plot_dir).map_err(io(format!("creating {}", plot_dir.display())))?;
     for (name, epochs) in &by {
         let _ = writeln!(
             md,
