@@ -10,6 +10,13 @@ items gained / lost against the distractors-only pool with the exact
 so it also works on a run in progress (over the cells finished).
 
     python3 scripts/readme/act_augment_table.py results/act-augment-1.5b 4,14,24
+
+The report pairs an arm only with its strongest declared control, so the
+pairing here is the script's own; `--check RUN` compares it with every
+paired lift in a finished run's summary.parquet (computed by
+`tolerable-stats`) and fails on any difference:
+
+    python3 scripts/readme/act_augment_table.py --check results/carrier-ordering-1.5b
 """
 import glob
 import math
@@ -19,13 +26,46 @@ from math import comb
 import pandas as pd
 
 
-def main():
-    run, layers = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
+def outcomes(run):
+    """Item x arm table of correctness over the finished cells."""
     files = sorted(glob.glob(f"{run}/items/*.parquet"))
     if not files:
         sys.exit(f"{run}: no finished cells (items/*.parquet)")
     df = pd.concat([pd.read_parquet(f) for f in files])
-    piv = df.pivot_table(index="item_id", columns="arm", values="correct", aggfunc="first").astype(bool)
+    return df.pivot_table(index="item_id", columns="arm", values="correct", aggfunc="first").astype(bool), len(files)
+
+
+def mcnemar(piv, a, b):
+    """Items gained and lost by arm a against arm b, and the exact two-sided McNemar p."""
+    gained = int((piv[a] & ~piv[b]).sum())
+    lost = int((~piv[a] & piv[b]).sum())
+    m = gained + lost
+    if m == 0:
+        return gained, lost, 1.0
+    k = min(gained, lost)
+    return gained, lost, min(1.0, 2 * sum(comb(m, i) for i in range(k + 1)) / 2**m)
+
+
+def check(run):
+    piv, _ = outcomes(run)
+    summary = pd.read_parquet(f"{run}/summary.parquet")
+    checked = 0
+    for _, r in summary.iterrows():
+        if r["strongest_control"] is None or pd.isna(r["lift_mcnemar_p"]):
+            continue
+        g, l, p = mcnemar(piv, r["arm"], r["strongest_control"])
+        if (g, l) != (r["lift_gained"], r["lift_lost"]) or abs(p - r["lift_mcnemar_p"]) > 1e-9 * r["lift_mcnemar_p"]:
+            sys.exit(f"{r['arm']} vs {r['strongest_control']}: {g}/{l}, p {p} here; "
+                     f"{r['lift_gained']}/{r['lift_lost']}, p {r['lift_mcnemar_p']} in the summary")
+        checked += 1
+    print(f"{run}: {checked} paired lifts, all equal to the summary's")
+
+
+def main():
+    if sys.argv[1] == "--check":
+        return check(sys.argv[2])
+    run, layers = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
+    piv, n_files = outcomes(run)
     n = len(piv)
     native = piv["native"]
 
@@ -33,20 +73,11 @@ def main():
         p = piv[arm].mean()
         return p, math.sqrt(p * (1 - p) / n), piv[arm][native].mean()
 
-    def mcnemar(a, b):
-        gained = int((piv[a] & ~piv[b]).sum())
-        lost = int((~piv[a] & piv[b]).sum())
-        m = gained + lost
-        if m == 0:
-            return gained, lost, 1.0
-        k = min(gained, lost)
-        return gained, lost, min(1.0, 2 * sum(comb(m, i) for i in range(k + 1)) / 2**m)
-
     def fmt_p(p):
         return "1" if p >= 0.9995 else (f"{p:.3f}" if p >= 0.001 else f"{p:.1e}")
 
     floor, nat = acc("floor"), acc("native")
-    print(f"n = {n} items ({len(files)} cells); floor {floor[0]:.3f} ± {floor[1]:.3f}, "
+    print(f"n = {n} items ({n_files} cells); floor {floor[0]:.3f} ± {floor[1]:.3f}, "
           f"native {nat[0]:.3f} ± {nat[1]:.3f}, native right on {int(native.sum())}\n")
     print("| layer | a | uniform pool (items gained / lost against the distractors-only pool) "
           "| distractors-only pool | single holder = oracle router "
@@ -57,7 +88,7 @@ def main():
             point = f"alpha={a},layers={l}"
             uni, dis, hol = f"pool_uniform@{point}", f"pool_distractors@{point}", f"holder_add@{point}"
             pu, pd_, ph = acc(uni), acc(dis), acc(hol)
-            gu, gh = mcnemar(uni, dis), mcnemar(hol, dis)
+            gu, gh = mcnemar(piv, uni, dis), mcnemar(piv, hol, dis)
             u = f"{pu[0]:.3f}" + (f" ± {pu[1]:.3f}" if pu[0] - floor[0] > 0.0125 else "")
             h = f"{ph[0]:.3f} ± {ph[1]:.3f} (cond. {ph[2]:.2f})"
             print(f"| {l} | {a:g} | {u} ({gu[0]} / {gu[1]}) | {pd_[0]:.3f} | {h} | {gh[0]} / {gh[1]}, p {fmt_p(gh[2])} |")
