@@ -318,7 +318,7 @@ fn resource_curves(run_dir: &Path, plot_dir: &Path, md: &mut String) -> Result<V
                 }
             })
             .collect();
-        let p = dir.join(format!("curve_{stem}.png"));
+        let p = plot_dir.join(format!("curve_{stem}.png"));
         register_font()?;
         crate::measure::report::line_chart(
             &p,
