@@ -51,7 +51,7 @@ def check(run):
     summary = pd.read_parquet(f"{run}/summary.parquet")
     checked = 0
     for _, r in summary.iterrows():
-        if r["strongest_control"] is None or pd.isna(r["lift_mcnemar_p"]):
+        if pd.isna(r["strongest_control"]) or pd.isna(r["lift_mcnemar_p"]):
             continue
         g, l, p = mcnemar(piv, r["arm"], r["strongest_control"])
         if (g, l) != (r["lift_gained"], r["lift_lost"]) or abs(p - r["lift_mcnemar_p"]) > 1e-9 * r["lift_mcnemar_p"]:
