@@ -9,7 +9,8 @@
 //! - `measure [--config F] [--out D] [--contexts a,b] [--dry-run]`: a
 //!   measurement run (`[measure]` configs: Mode D); `sweep --config F` on
 //!   such a config runs it too.
-//! - `report <run-dir>`: Markdown tables and plots of a finished run.
+//! - `report <run-dir> [--interim] [--pair family:against]`: Markdown
+//!   tables and plots of a run, with families compared point by point.
 //! - `compare <run-a> <run-b>`: item rows of two runs compared value for value.
 #![allow(clippy::cloned_ref_to_slice_refs)] // `&[ids.clone()]` reads better as a batch of one
 
@@ -90,6 +91,13 @@ enum Cmd {
         /// written so far, marked as interim; nothing else is touched.
         #[arg(long)]
         interim: bool,
+        /// Compare two arm families point by point, `family:against` (e.g.
+        /// `holder_add:pool_distractors`), repeatable: each arm of the first
+        /// against the second's arm at the same grid point, in the report
+        /// and `pairs.parquet`. Without it, the pairs of an earlier report
+        /// are compared again.
+        #[arg(long = "pair", value_name = "FAMILY:AGAINST")]
+        pairs: Vec<String>,
     },
     /// Speed figures, as ratios against candle-transformers in the same run,
     /// and the driver's arm figures.
@@ -178,7 +186,11 @@ fn main() -> Result<()> {
         Cmd::Anchors(args) => anchors::run(args)?,
         Cmd::Sweep(args) => sweep::run(args)?,
         Cmd::Measure(args) => measure::run(args)?,
-        Cmd::Report { dir, interim } => sweep::report(dir, interim)?,
+        Cmd::Report {
+            dir,
+            interim,
+            pairs,
+        } => sweep::report(dir, interim, pairs)?,
         Cmd::Bench(opts) => bench::run(opts)?,
         Cmd::Compare { a, b, out } => {
             let c = tolerable_driver::records::compare::compare_runs(&a, &b)?;

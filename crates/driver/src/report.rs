@@ -6,7 +6,8 @@
 
 use crate::error::{io, DriverError, Result};
 use crate::records::columns::rows as read_records;
-use crate::records::{read_parquet, SummaryRow};
+use crate::records::pairs::{pair_rows, pairs_of, FamilyPair, PairRow};
+use crate::records::{read_parquet, write_rows, SummaryRow};
 use plotters::prelude::*;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -28,21 +29,10 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 
 /// Writes `report.md` and `plots/*.png` for the run in `run_dir`; returns
 /// the report's path. A measurement run's folder gets its own report
-/// ([`crate::measure::report::write`]).
+/// ([`crate::measure::report::write`]). Family pairs a previous report
+/// compared (`pairs.parquet`) are compared again ([`write_with_pairs`]).
 pub fn write(run_dir: &Path) -> Result<PathBuf> {
-    let meta = crate::measure::read_json(&run_dir.join("run.json"))?;
-    // Measurement runs (`[measure]` configs) have reports of their own.
-    if meta["kind"] == "measure" {
-        return crate::measure::report::write(run_dir);
-    }
-    if !run_dir.join("summary.parquet").exists() {
-        return Err(DriverError::Records(format!(
-            "{} has no summary.parquet: the sweep has unfinished cells (rerun it, or merge its shards; `report --interim` reads the cells finished so far)",
-            run_dir.display()
-        )));
-    }
-    let rows = read_rows(run_dir)?;
-    render(run_dir, &meta, rows, None)
+    write_with_pairs(run_dir, false, &[])
 }
 
 /// Writes `report-interim.md` and `plots-interim/*.png` for a run in
@@ -52,12 +42,71 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
 /// ([`crate::measure::report::write_interim`]). The finished run's
 /// `report.md` and `plots/` are not touched. Returns the report's path.
 pub fn write_interim(run_dir: &Path) -> Result<PathBuf> {
+    write_with_pairs(run_dir, true, &[])
+}
+
+/// The report of a finished run (`interim` false, as [`write`]) or of one
+/// in progress (as [`write_interim`]), with each arm of a pair's first
+/// family compared with the second family's arm at the same grid point
+/// ([`crate::records::pairs`]): a section of the report and
+/// `pairs.parquet` (`pairs-interim.parquet` for an interim report). With no
+/// pairs named, the pairs already in that file (or, for a finished run's
+/// first report, in `pairs-interim.parquet`) are compared again, so a
+/// report regenerated later keeps them.
+pub fn write_with_pairs(run_dir: &Path, interim: bool, pairs: &[FamilyPair]) -> Result<PathBuf> {
     let meta = crate::measure::read_json(&run_dir.join("run.json"))?;
+    // Measurement runs (`[measure]` configs) have reports of their own.
     if meta["kind"] == "measure" {
-        return crate::measure::report::write_interim(run_dir);
+        if !pairs.is_empty() {
+            return Err(DriverError::Records(format!(
+                "{}: family pairs compare a sweep's arms; a measurement run has none",
+                run_dir.display()
+            )));
+        }
+        return if interim {
+            crate::measure::report::write_interim(run_dir)
+        } else {
+            crate::measure::report::write(run_dir)
+        };
     }
-    let (rows, coverage) = crate::sweep::interim_summary(run_dir)?;
-    render(run_dir, &meta, rows, Some(&coverage))
+    let (rows, coverage) = if interim {
+        let (rows, c) = crate::sweep::interim_summary(run_dir)?;
+        (rows, Some(c))
+    } else {
+        if !run_dir.join("summary.parquet").exists() {
+            return Err(DriverError::Records(format!(
+                "{} has no summary.parquet: the sweep has unfinished cells (rerun it, or merge its shards; `report --interim` reads the cells finished so far)",
+                run_dir.display()
+            )));
+        }
+        (read_rows(run_dir)?, None)
+    };
+    let pairs = if pairs.is_empty() {
+        remembered_pairs(run_dir, interim)?
+    } else {
+        pairs.to_vec()
+    };
+    render(run_dir, &meta, rows, coverage.as_ref(), &pairs)
+}
+
+/// The pairs file of a report.
+fn pairs_file(run_dir: &Path, interim: bool) -> PathBuf {
+    run_dir.join(if interim {
+        "pairs-interim.parquet"
+    } else {
+        "pairs.parquet"
+    })
+}
+
+/// The family pairs an earlier report compared: its own pairs file, else
+/// (a finished run's first report) the interim one's.
+fn remembered_pairs(run_dir: &Path, interim: bool) -> Result<Vec<FamilyPair>> {
+    for f in [pairs_file(run_dir, interim), pairs_file(run_dir, true)] {
+        if f.exists() {
+            return Ok(pairs_of(&read_records::<PairRow>(&read_parquet(&f)?)?));
+        }
+    }
+    Ok(Vec::new())
 }
 
 /// The report over summary rows: the finished run's, or an interim one's
@@ -67,6 +116,7 @@ fn render(
     meta: &serde_json::Value,
     rows: Vec<SummaryRow>,
     interim: Option<&crate::sweep::SweepCoverage>,
+    pairs: &[FamilyPair],
 ) -> Result<PathBuf> {
     let anchor = |name: &str| rows.iter().find(|r| r.arm.arm == name).cloned();
     let (floor, native) = (anchor("floor"), anchor("native"));
@@ -196,6 +246,11 @@ fn render(
             r.bit_exact_items.map(|k| format!("{k}/{}", r.n_items)).unwrap_or_else(|| "–".into())
         );
     }
+    if !pairs.is_empty() {
+        let paired = pair_rows(&crate::records::read_items(run_dir)?, pairs)?;
+        paired_section(&mut md, &paired, interim.is_some());
+        write_rows(paired, &pairs_file(run_dir, interim.is_some()))?;
+    }
     let notes = construction_notes(&rows, meta);
     if !notes.is_empty() {
         let _ = writeln!(md, "\n## Notes\n");
@@ -219,6 +274,42 @@ fn render(
     let out = run_dir.join(file);
     std::fs::write(&out, md).map_err(io(format!("writing {}", out.display())))?;
     Ok(out)
+}
+
+/// The report's section of family pairs: each compared arm beside the
+/// other family's arm at its grid point.
+fn paired_section(md: &mut String, rows: &[PairRow], interim: bool) {
+    let _ = writeln!(
+        md,
+        "\n## Paired comparisons\n\nEach arm of a named family against the other family's arm at the same grid point, over the items both scored (`{}`): the difference with its 95% interval (SE of two independent proportions, as the lift above), items gained / lost, exact McNemar p.\n",
+        if interim { "pairs-interim.parquet" } else { "pairs.parquet" }
+    );
+    let _ = writeln!(
+        md,
+        "| arm | against | n | accuracy | against | difference [95% CI] | gained / lost | McNemar p |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let p = if r.mcnemar_p >= 1e-3 {
+            format!("{:.3}", r.mcnemar_p)
+        } else {
+            format!("{:.1e}", r.mcnemar_p)
+        };
+        let _ = writeln!(
+            md,
+            "| `{}` | `{}` | {} | {:.3} | {:.3} | {:+.3} [{:+.3}, {:+.3}] | {} / {} | {p} |",
+            r.arm,
+            r.against,
+            r.n_items,
+            r.accuracy,
+            r.against_accuracy,
+            r.diff,
+            r.diff_lo,
+            r.diff_hi,
+            r.gained,
+            r.lost
+        );
+    }
 }
 
 /// Cell numbers as ranges: `0-6, 9`.

@@ -4,7 +4,7 @@
 //! `TOLERABLE_PRINT_SCHEMA=1` prints the tables to paste.
 
 use tolerable_driver::records::columns::schema_markdown;
-use tolerable_driver::records::{ItemRow, MeasureRow, ResourceRow, SampleRow, SummaryRow};
+use tolerable_driver::records::{ItemRow, MeasureRow, PairRow, ResourceRow, SampleRow, SummaryRow};
 
 #[test]
 fn results_readme_documents_the_declared_columns() {
@@ -20,6 +20,10 @@ fn results_readme_documents_the_declared_columns() {
             schema_markdown::<SummaryRow>(),
         ),
         ("sample.parquet (SampleRow)", schema_markdown::<SampleRow>()),
+        (
+            "pairs.parquet, pairs-interim.parquet (PairRow)",
+            schema_markdown::<PairRow>(),
+        ),
         (
             "resources.parquet (ResourceRow)",
             schema_markdown::<ResourceRow>(),

@@ -291,6 +291,108 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     // A grid axis has its own plot, so no plot by arm.
     assert!(!out.join("plots/accuracy_by_arm.png").exists());
 
+    // Families compared point by point: each act_replace arm against each
+    // of its controls' arms at the same layer, and kv_augment (no grid)
+    // against its two controls. Where the other arm is the summary's strongest
+    // control, the pair's statistics are the summary's lift.
+    let pairs: Vec<tolerable_driver::records::FamilyPair> = [
+        "act_replace:act_noop",
+        "act_replace:act_position",
+        "act_replace:act_mismatch",
+        "kv_augment:floor",
+        "kv_augment:kv_augment_mismatch",
+    ]
+    .iter()
+    .map(|p| p.parse().unwrap())
+    .collect();
+    let md = std::fs::read_to_string(
+        tolerable_driver::report::write_with_pairs(&out, false, &pairs).unwrap(),
+    )
+    .unwrap();
+    assert!(md.contains("## Paired comparisons"), "{md}");
+    assert!(
+        md.contains("| `act_replace@layers=2` | `act_mismatch@layers=2` | 5 |"),
+        "{md}"
+    );
+    let read = |f: &str| -> Vec<tolerable_driver::records::PairRow> {
+        tolerable_driver::records::columns::rows(
+            &tolerable_driver::records::read_parquet(&out.join(f)).unwrap(),
+        )
+        .unwrap()
+    };
+    let paired = read("pairs.parquet");
+    assert_eq!(paired.len(), 8);
+    assert!(paired
+        .iter()
+        .filter(|r| r.family == "act_replace")
+        .all(|r| r.arm.split_once('@').unwrap().1 == r.against.split_once('@').unwrap().1));
+    let summary: Vec<tolerable_driver::records::SummaryRow> =
+        tolerable_driver::records::columns::rows(
+            &tolerable_driver::records::read_parquet(&out.join("summary.parquet")).unwrap(),
+        )
+        .unwrap();
+    let mut checked = 0;
+    for s in &summary {
+        let Some(c) = &s.strongest_control else {
+            continue;
+        };
+        let Some(r) = paired
+            .iter()
+            .find(|r| r.arm == s.arm.arm && &r.against == c)
+        else {
+            continue;
+        };
+        assert_eq!(
+            (
+                Some(r.gained),
+                Some(r.lost),
+                Some(r.mcnemar_p),
+                Some(r.paired_se)
+            ),
+            (
+                s.lift_gained,
+                s.lift_lost,
+                s.lift_mcnemar_p,
+                s.lift_paired_se
+            ),
+            "{}",
+            s.arm.arm
+        );
+        assert_eq!(
+            (Some(r.diff), Some(r.diff_lo), Some(r.diff_hi)),
+            (s.lift, s.lift_lo, s.lift_hi)
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 3, "act_replace at layers 1 and 2, kv_augment");
+    // A report regenerated without naming pairs compares them again.
+    let with_pairs = std::fs::read_to_string(out.join("report.md")).unwrap();
+    let md = std::fs::read_to_string(tolerable_driver::report::write(&out).unwrap()).unwrap();
+    assert_eq!(md, with_pairs);
+    assert_eq!(read("pairs.parquet"), paired);
+    // An unreadable pairs file is named, and the report left as it was.
+    let good = std::fs::read(out.join("pairs.parquet")).unwrap();
+    std::fs::write(out.join("pairs.parquet"), b"").unwrap();
+    let e = tolerable_driver::report::write(&out)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("pairs.parquet"), "{e}");
+    assert_eq!(
+        std::fs::read_to_string(out.join("report.md")).unwrap(),
+        with_pairs
+    );
+    std::fs::write(out.join("pairs.parquet"), good).unwrap();
+    // A family the run lacks is named; the pairs file is left as it was.
+    let e = tolerable_driver::report::write_with_pairs(
+        &out,
+        false,
+        &["act_replace:act_nothing".parse().unwrap()],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("no arm of family `act_nothing`"), "{e}");
+    assert_eq!(read("pairs.parquet"), paired);
+
     // A rerun finds every cell finished and computes nothing.
     let again = sweep::run(
         &cfg,

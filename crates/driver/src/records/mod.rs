@@ -12,6 +12,7 @@
 pub mod columns;
 pub mod compare;
 pub mod measure;
+pub mod pairs;
 pub mod resource;
 pub mod summary;
 
@@ -23,6 +24,7 @@ use polars::prelude::*;
 use std::path::{Path, PathBuf};
 
 pub use measure::MeasureRow;
+pub use pairs::{FamilyPair, PairRow};
 pub use resource::ResourceRow;
 pub use summary::{summarize, SummaryRow};
 

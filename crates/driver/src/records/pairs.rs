@@ -1,0 +1,352 @@
+//! Paired comparisons of two arm families point by point (`pairs.parquet`).
+//! The summary pairs each arm only with its strongest declared control; a
+//! researcher often wants one family against another at the same grid
+//! point as well (the single holder against the distractors-only pool at
+//! each layer and scale). Each row is one arm of the first family against
+//! the arm of the second family whose grid point agrees with its own, over
+//! the items both scored, with the statistics of the summary's lift
+//! (`tolerable-stats`: the difference of two proportions with its 95%
+//! interval, and the paired outcomes with the exact McNemar p).
+
+use super::ItemRow;
+use crate::error::{DriverError, Result};
+use crate::record;
+use std::collections::{BTreeMap, HashMap};
+use tolerable_stats::{difference, paired, Proportion};
+
+/// Two arm families compared point by point: each arm of `family` against
+/// the arms of `against` at an agreeing grid point.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct FamilyPair {
+    /// The compared family (an arm's name before grid expansion).
+    pub family: String,
+    /// The family it is compared against.
+    pub against: String,
+}
+
+impl std::str::FromStr for FamilyPair {
+    type Err = DriverError;
+
+    /// `family:against`, e.g. `holder_add:pool_distractors`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.split_once(':') {
+            Some((a, b)) if !a.trim().is_empty() && !b.trim().is_empty() && !b.contains(':') => {
+                Ok(Self {
+                    family: a.trim().to_string(),
+                    against: b.trim().to_string(),
+                })
+            }
+            _ => Err(DriverError::Records(format!(
+                "`{s}` is not a family pair: write `family:against` (two arm families of the run, e.g. `holder_add:pool_distractors`)"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for FamilyPair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.family, self.against)
+    }
+}
+
+record! {
+    /// One arm against an arm of another family at an agreeing grid point,
+    /// over the items both scored.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct PairRow {
+        /// Run name.
+        pub run: String,
+        /// The compared family (an arm's name before grid expansion).
+        pub family: String,
+        /// The family it is compared against.
+        pub against_family: String,
+        /// The compared arm, with its grid point.
+        pub arm: String,
+        /// The arm it is compared against, with its grid point (its point agrees with the compared arm's on every axis both have).
+        pub against: String,
+        /// The compared arm's grid point as JSON with typed values.
+        pub point: String,
+        /// Items both arms scored.
+        pub n_items: i64,
+        /// Accuracy of the compared arm over those items.
+        pub accuracy: f64,
+        /// Accuracy of the arm it is compared against over those items.
+        pub against_accuracy: f64,
+        /// accuracy − against_accuracy.
+        pub diff: f64,
+        /// Lower end of the difference's 95% interval, with the SE of two independent proportions (as the summary's lift).
+        pub diff_lo: f64,
+        /// Upper end of the difference's 95% interval.
+        pub diff_hi: f64,
+        /// Items the compared arm gets right and the other wrong.
+        pub gained: i64,
+        /// Items the compared arm gets wrong and the other right.
+        pub lost: i64,
+        /// The difference's paired standard error (as the summary's `lift_paired_se`).
+        pub paired_se: f64,
+        /// Exact two-sided McNemar p-value of gained against lost.
+        pub mcnemar_p: f64,
+    }
+}
+
+/// Whether two grid points agree on every axis both have.
+fn agree(a: &BTreeMap<String, serde_json::Value>, b: &BTreeMap<String, serde_json::Value>) -> bool {
+    a.iter().all(|(k, v)| b.get(k).is_none_or(|w| w == v))
+}
+
+/// The rows of `pairs` over a run's item rows: for each pair, each arm of
+/// the first family (in the order the rows first name it) against each arm
+/// of the second whose grid point agrees with its own (an arm without a
+/// grid agrees with every point). A family the run does not have, or a pair
+/// with no agreeing points, is an error naming it.
+pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>> {
+    // Arms in first-seen order, with family, point and outcome by item.
+    let mut order: Vec<&str> = Vec::new();
+    let mut arms: HashMap<&str, (&ItemRow, HashMap<&str, bool>)> = HashMap::new();
+    for r in items {
+        let e = arms.entry(r.arm.arm.as_str()).or_insert_with(|| {
+            order.push(r.arm.arm.as_str());
+            (r, HashMap::new())
+        });
+        e.1.insert(r.item_id.as_str(), r.correct);
+    }
+    let point = |r: &ItemRow| -> BTreeMap<String, serde_json::Value> {
+        serde_json::from_str(&r.arm.point).unwrap_or_default()
+    };
+    let of_family = |f: &str| -> Vec<&str> {
+        order
+            .iter()
+            .copied()
+            .filter(|a| arms[a].0.arm.family == f)
+            .collect()
+    };
+    let mut families: Vec<&str> = Vec::new();
+    for a in &order {
+        let f = arms[a].0.arm.family.as_str();
+        if !families.contains(&f) {
+            families.push(f);
+        }
+    }
+    let mut out = Vec::new();
+    for pair in pairs {
+        let (mine, theirs) = (of_family(&pair.family), of_family(&pair.against));
+        for (f, found) in [(&pair.family, &mine), (&pair.against, &theirs)] {
+            if found.is_empty() {
+                return Err(DriverError::Records(format!(
+                    "pair `{pair}`: the run has no arm of family `{f}` (its families: {})",
+                    families.join(", ")
+                )));
+            }
+        }
+        let before = out.len();
+        for a in &mine {
+            let (ra, oa) = &arms[a];
+            let pa = point(ra);
+            for b in &theirs {
+                let (rb, ob) = &arms[b];
+                if a == b || !agree(&point(rb), &pa) {
+                    continue;
+                }
+                let (xa, xb): (Vec<bool>, Vec<bool>) = oa
+                    .iter()
+                    .filter_map(|(id, &x)| ob.get(id).map(|&y| (x, y)))
+                    .unzip();
+                if xa.is_empty() {
+                    continue;
+                }
+                let n = xa.len();
+                let count = |v: &[bool]| v.iter().filter(|&&x| x).count();
+                let (p, q) = (
+                    Proportion::new(count(&xa), n)?,
+                    Proportion::new(count(&xb), n)?,
+                );
+                let d = difference(p, q);
+                let pd = paired(&xa, &xb)?;
+                out.push(PairRow {
+                    run: ra.arm.run.clone(),
+                    family: pair.family.clone(),
+                    against_family: pair.against.clone(),
+                    arm: a.to_string(),
+                    against: b.to_string(),
+                    point: ra.arm.point.clone(),
+                    n_items: n as i64,
+                    accuracy: p.p(),
+                    against_accuracy: q.p(),
+                    diff: d.diff,
+                    diff_lo: d.ci95.lo,
+                    diff_hi: d.ci95.hi,
+                    gained: pd.gained as i64,
+                    lost: pd.lost as i64,
+                    paired_se: pd.se,
+                    mcnemar_p: pd.mcnemar_p,
+                });
+            }
+        }
+        if out.len() == before {
+            return Err(DriverError::Records(format!(
+                "pair `{pair}`: no arm of `{}` shares a grid point and scored items with an arm of `{}`",
+                pair.family, pair.against
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// The family pairs a pairs file holds, in first-seen order (what a report
+/// regenerated without naming pairs compares again).
+pub fn pairs_of(rows: &[PairRow]) -> Vec<FamilyPair> {
+    let mut out: Vec<FamilyPair> = Vec::new();
+    for r in rows {
+        let p = FamilyPair {
+            family: r.family.clone(),
+            against: r.against_family.clone(),
+        };
+        if !out.contains(&p) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::{columns, ArmColumns};
+
+    fn row(family: &str, point: &str, item: usize, correct: bool) -> ItemRow {
+        let pt: BTreeMap<String, serde_json::Value> = serde_json::from_str(point).unwrap();
+        let arm = if pt.is_empty() {
+            family.to_string()
+        } else {
+            let axes: Vec<String> = pt.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            format!("{family}@{}", axes.join(","))
+        };
+        ItemRow {
+            arm: ArmColumns {
+                run: "r".into(),
+                arm,
+                family: family.into(),
+                arm_json: "{}".into(),
+                point: point.into(),
+                base: "masked".into(),
+                n_injections: 0,
+                injections: vec![],
+                carrier: None,
+                layers: None,
+                layer: None,
+                positions: None,
+                source: None,
+                mechanism: None,
+                alpha: None,
+                perturb: None,
+                target_cosine: None,
+                resources: vec![],
+            },
+            item_index: item as i64,
+            item_id: format!("i{item}"),
+            prompt_tokens: 10,
+            fact_tokens: 1,
+            n_sites: 0,
+            continuation: String::new(),
+            continuation_ids: vec![],
+            correct,
+            span_copy: false,
+            native_correct: true,
+            fidelity_cosine: None,
+            achieved_cosine: None,
+            achieved_at: columns::PerSite(vec![]),
+            logit_correlation: None,
+            bit_exact: None,
+            seconds: 0.0,
+        }
+    }
+
+    /// Ten items; `right` lists the ones the arm gets right.
+    fn arm(family: &str, point: &str, right: &[usize]) -> Vec<ItemRow> {
+        (0..10)
+            .map(|i| row(family, point, i, right.contains(&i)))
+            .collect()
+    }
+
+    #[test]
+    fn families_pair_at_agreeing_points_with_the_summarys_statistics() {
+        let mut items = Vec::new();
+        items.extend(arm("floor", "{}", &[]));
+        for l in [4, 8] {
+            for a in [1.0, 2.0] {
+                let pt = format!("{{\"alpha\":{a},\"layers\":{l}}}");
+                // The holder gets items 0..6 right at layer 4, 0..3 at 8;
+                // the pool gets 5..8 right everywhere.
+                let right: Vec<usize> = (0..if l == 4 { 6 } else { 3 }).collect();
+                items.extend(arm("holder", &pt, &right));
+                items.extend(arm("pool", &pt, &[5, 6, 7]));
+            }
+        }
+        let pair: FamilyPair = "holder:pool".parse().unwrap();
+        let rows = pair_rows(&items, std::slice::from_ref(&pair)).unwrap();
+        // One row per holder point, each against the pool at the same point.
+        assert_eq!(rows.len(), 4);
+        for r in &rows {
+            assert_eq!(
+                r.arm.split_once('@').unwrap().1,
+                r.against.split_once('@').unwrap().1
+            );
+        }
+        let r = &rows[0];
+        assert_eq!(r.arm, "holder@alpha=1,layers=4");
+        // Holder right on 0..6, pool on 5..8: gained 0..5 (5), lost 6, 7 (2).
+        assert_eq!((r.n_items, r.gained, r.lost), (10, 5, 2));
+        assert!((r.diff - 0.3).abs() < 1e-12);
+        assert!((r.accuracy - 0.6).abs() < 1e-12 && (r.against_accuracy - 0.3).abs() < 1e-12);
+        let d = difference(
+            Proportion::new(6, 10).unwrap(),
+            Proportion::new(3, 10).unwrap(),
+        );
+        assert_eq!((r.diff_lo, r.diff_hi), (d.ci95.lo, d.ci95.hi));
+        let pd = paired(
+            &(0..10).map(|i| i < 6).collect::<Vec<_>>(),
+            &(0..10).map(|i| (5..8).contains(&i)).collect::<Vec<_>>(),
+        )
+        .unwrap();
+        assert_eq!((r.paired_se, r.mcnemar_p), (pd.se, pd.mcnemar_p));
+        assert!((r.mcnemar_p - tolerable_stats::mcnemar_exact(5, 2)).abs() < 1e-15);
+        // At layer 8 the holder (0..3) and the pool (5..8) share no item.
+        assert_eq!((rows[2].gained, rows[2].lost), (3, 3));
+        assert_eq!(pairs_of(&rows), vec![pair]);
+
+        // An arm without a grid agrees with every point.
+        let rows = pair_rows(&items, &["holder:floor".parse().unwrap()]).unwrap();
+        assert_eq!(rows.len(), 4);
+        assert!(rows.iter().all(|r| r.against == "floor"));
+        assert_eq!((rows[0].gained, rows[0].lost), (6, 0));
+        let rows = pair_rows(&items, &["floor:pool".parse().unwrap()]).unwrap();
+        assert_eq!(rows.len(), 4);
+
+        // A family the run lacks is named, with the families it has.
+        let e = pair_rows(&items, &["holder:pool_distractors".parse().unwrap()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`pool_distractors`") && e.contains("(its families: floor, holder, pool)"),
+            "{e}"
+        );
+        // Points that never agree are an error too.
+        let mut other = items.clone();
+        other.extend(arm("narrow", "{\"layers\":12}", &[1]));
+        let e = pair_rows(&other, &["narrow:holder".parse().unwrap()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no arm of `narrow` shares a grid point"), "{e}");
+    }
+
+    #[test]
+    fn a_pair_is_written_family_colon_family() {
+        let p: FamilyPair = " a : b ".parse().unwrap();
+        assert_eq!((p.family.as_str(), p.against.as_str()), ("a", "b"));
+        assert_eq!(p.to_string(), "a:b");
+        for bad in ["ab", ":b", "a:", "a:b:c"] {
+            let e = bad.parse::<FamilyPair>().unwrap_err().to_string();
+            assert!(e.contains("family:against"), "{bad}: {e}");
+        }
+    }
+}
