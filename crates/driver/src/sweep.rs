@@ -393,6 +393,11 @@ pub fn model_key(sha256: Option<&str>, path: &Path) -> String {
 /// Builds (or loads from the cache) every resource of `resources` (a
 /// plan's, in build order), in order; `senders` are the plan's held-out
 /// senders, built and gated; `holders` its cross-family holders, loaded.
+/// With `resuming`, a run folder whose finished cells read recorded
+/// resources, each resource is compared with its record as soon as it is
+/// obtained ([`check_resources_unchanged`]), so a retrain that differs
+/// stops the sweep before the next resource is trained, not after all of
+/// them (the built value stays in the cache).
 #[allow(clippy::too_many_arguments)]
 pub fn obtain_resources(
     resources: &[(String, crate::resources::ResourceSpec)],
@@ -402,6 +407,7 @@ pub fn obtain_resources(
     senders: &BTreeMap<String, tolerable_runtime::Model>,
     holders: &BTreeMap<String, CrossHolder>,
     store: &Store,
+    resuming: Option<&Path>,
 ) -> Result<(BTreeMap<String, Value>, BTreeMap<String, ObtainedResource>)> {
     let model_sha = model_key(ck.sha256.as_deref(), &ck.path);
     let cfg = ck.model.config();
@@ -488,6 +494,10 @@ pub fn obtain_resources(
                 eval_answers: train.eval.answer_mentions(&r.items),
             },
         );
+        if let Some(dir) = resuming {
+            let one = [(name.clone(), spec.clone())];
+            check_resources_unchanged(dir, &resources_meta(&one, &values, &info))?;
+        }
     }
     Ok((values, info))
 }
@@ -940,6 +950,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         &senders,
         &holders,
         &store,
+        Some(&dir),
     )?;
     // Every invocation on this folder (first run, resumes, shards) is kept;
     // the top-level command, revision and threads are the latest's.
@@ -970,8 +981,9 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
             "batching": batching_text,
         }),
     ));
+    // Each resource was compared with the finished cells' record as it was
+    // obtained (`obtain_resources`).
     let resources_meta = resources_meta(&plan.resources, &resources, &obtained);
-    check_resources_unchanged(&dir, &resources_meta)?;
     let mut meta = serde_json::json!({
         "name": cfg.run.name,
         "config_hash": hash,

@@ -1755,6 +1755,87 @@ fn run_json(out: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap()
 }
 
+/// A resumed run whose resources were lost and retrained differently is
+/// refused as soon as the first differing resource is obtained, before the
+/// next is trained; the finished cells and run.json are left as they were.
+#[test]
+fn a_resume_stops_at_the_first_resource_its_finished_cells_did_not_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let one = bridge_config(dir.path(), &model, 1);
+    let text = std::fs::read_to_string(&one).unwrap();
+    let second = r#"
+[resources.qb2]
+kind = "bridge"
+targets = "q"
+rank = 4
+train_items = 4
+slice_items = 2
+epochs = 1
+lr = 0.01
+seed = 1
+data = "synthetic"
+arm = { inject = [{ carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }] }
+
+[[arms]]
+name = "kv_bridge2"
+bridge = { resource = "qb2" }
+inject = { carrier = "kv", positions = "passage", source = "holder", mechanism = "append" }
+"#;
+    let cfg = dir.path().join("two.toml");
+    std::fs::write(&cfg, format!("{text}{second}")).unwrap();
+    let out = dir.path().join("run");
+    let cache = dir.path().join("resources");
+    let opts = SweepOptions {
+        out: Some(out.clone()),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    sweep::run(&cfg, &opts).unwrap();
+    let folders = |d: &Path| -> usize {
+        std::fs::read_dir(d)
+            .map(|r| r.filter(|e| e.as_ref().unwrap().path().is_dir()).count())
+            .unwrap_or(0)
+    };
+    assert_eq!(folders(&cache), 2);
+    // Cell 1 of 2 unfinished; the cache lost; the record says both
+    // resources were other values than a retrain gives.
+    std::fs::remove_file(sweep::cell_path(&out, 1)).unwrap();
+    std::fs::remove_file(out.join("summary.parquet")).unwrap();
+    std::fs::remove_dir_all(&cache).unwrap();
+    let mut meta = run_json(&out);
+    for r in ["qb", "qb2"] {
+        meta["resources"][r]["value_sha256"] = serde_json::json!("0000");
+    }
+    let recorded = serde_json::to_string_pretty(&meta).unwrap();
+    std::fs::write(out.join("run.json"), &recorded).unwrap();
+    let cell0 = std::fs::read(sweep::cell_path(&out, 0)).unwrap();
+    let e = sweep::run(&cfg, &opts).unwrap_err().to_string();
+    assert!(
+        e.contains("is not the one its finished cells read") && e.contains("0000"),
+        "{e}"
+    );
+    // Only the first resource was trained (and kept in the cache); the
+    // folder is as it was.
+    assert_eq!(folders(&cache), 1, "{e}");
+    assert_eq!(
+        std::fs::read_to_string(out.join("run.json")).unwrap(),
+        recorded
+    );
+    assert_eq!(std::fs::read(sweep::cell_path(&out, 0)).unwrap(), cell0);
+    assert!(!sweep::cell_path(&out, 1).exists());
+    // With the record of what the retrain gives, the run resumes.
+    for r in ["qb", "qb2"] {
+        meta["resources"][r]
+            .as_object_mut()
+            .unwrap()
+            .remove("value_sha256");
+    }
+    std::fs::write(out.join("run.json"), serde_json::to_string(&meta).unwrap()).unwrap();
+    sweep::run(&cfg, &opts).unwrap();
+    assert!(out.join("summary.parquet").exists());
+}
+
 #[test]
 fn a_non_finite_loss_stops_training_and_an_adapter_that_does_not_fit_is_never_used() {
     let dir = tempfile::tempdir().unwrap();

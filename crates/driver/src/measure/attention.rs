@@ -952,6 +952,7 @@ pub fn run(
                 &BTreeMap::new(),
                 &BTreeMap::new(),
                 &store,
+                None,
             )?;
             resources_meta = crate::sweep::resources_meta(&list, &values, &info);
             values.get("bank").cloned()
