@@ -30,7 +30,8 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 /// Writes `report.md` and `plots/*.png` for the run in `run_dir`; returns
 /// the report's path. A measurement run's folder gets its own report
 /// ([`crate::measure::report::write`]). Family pairs a previous report
-/// compared (`pairs.parquet`) are compared again ([`write_with_pairs`]).
+/// compared (`pairs.parquet`) are compared again ([`write_with_pairs`]);
+/// what interim reports wrote is removed, superseded.
 pub fn write(run_dir: &Path) -> Result<PathBuf> {
     write_with_pairs(run_dir, false, &[])
 }
@@ -39,8 +40,10 @@ pub fn write(run_dir: &Path) -> Result<PathBuf> {
 /// progress from what it has written so far, with a banner saying how much
 /// of the run that is: a sweep's finished cells
 /// ([`crate::sweep::interim_summary`]) or a Mode D measurement's units
-/// ([`crate::measure::report::write_interim`]). The finished run's
-/// `report.md` and `plots/` are not touched. Returns the report's path.
+/// ([`crate::measure::report::write_interim`]); a sweep's interim summary
+/// rows also go to `summary-interim.parquet`. The finished run's
+/// `report.md`, `summary.parquet` and `plots/` are not touched. Returns the
+/// report's path.
 pub fn write_interim(run_dir: &Path) -> Result<PathBuf> {
     write_with_pairs(run_dir, true, &[])
 }
@@ -86,7 +89,33 @@ pub fn write_with_pairs(run_dir: &Path, interim: bool, pairs: &[FamilyPair]) -> 
     } else {
         pairs.to_vec()
     };
-    render(run_dir, &meta, rows, coverage.as_ref(), &pairs)
+    let out = render(run_dir, &meta, rows, coverage.as_ref(), &pairs)?;
+    if !interim {
+        remove_interim(run_dir)?;
+    }
+    Ok(out)
+}
+
+/// Removes what interim reports wrote (`report-interim.md`,
+/// `plots-interim/`, `summary-interim.parquet`, `pairs-interim.parquet`)
+/// once the finished run's report has replaced it; all of it is derived
+/// from the cells, which stay.
+fn remove_interim(run_dir: &Path) -> Result<()> {
+    for f in [
+        "report-interim.md",
+        "summary-interim.parquet",
+        "pairs-interim.parquet",
+    ] {
+        let p = run_dir.join(f);
+        if p.exists() {
+            std::fs::remove_file(&p).map_err(io(format!("removing {}", p.display())))?;
+        }
+    }
+    let plots = run_dir.join("plots-interim");
+    if plots.exists() {
+        std::fs::remove_dir_all(&plots).map_err(io(format!("removing {}", plots.display())))?;
+    }
+    Ok(())
 }
 
 /// The pairs file of a report.
@@ -270,6 +299,10 @@ fn render(
             let rel = p.strip_prefix(run_dir).unwrap_or(&p).display().to_string();
             let _ = writeln!(md, "![{rel}]({rel})\n");
         }
+    }
+    if interim.is_some() {
+        // The interim summary rows for readers of a run in progress.
+        write_rows(rows.clone(), &run_dir.join("summary-interim.parquet"))?;
     }
     let out = run_dir.join(file);
     std::fs::write(&out, md).map_err(io(format!("writing {}", out.display())))?;

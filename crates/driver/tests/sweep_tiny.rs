@@ -442,6 +442,14 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
         "{md}"
     );
     assert!(part.join("plots-interim/accuracy_vs_layers.png").exists());
+    // ... and its summary rows, for readers of a run in progress.
+    let interim_rows: Vec<tolerable_driver::records::SummaryRow> =
+        tolerable_driver::records::columns::rows(
+            &tolerable_driver::records::read_parquet(&part.join("summary-interim.parquet"))
+                .unwrap(),
+        )
+        .unwrap();
+    assert_eq!(interim_rows, rows_part);
     assert!(!part.join("report.md").exists() && !part.join("summary.parquet").exists());
     // A run.json whose config no longer matches its hash is refused.
     let mut meta = run_json(&part);
@@ -451,6 +459,31 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
         .unwrap_err()
         .to_string()
         .contains("not its recorded hash"));
+    // A run that finishes: its report replaces what the interim reports
+    // wrote, keeping the family pairs they compared.
+    let done = dir.path().join("done");
+    std::fs::create_dir_all(done.join("items")).unwrap();
+    std::fs::copy(out.join("run.json"), done.join("run.json")).unwrap();
+    for c in [0, 2] {
+        std::fs::copy(sweep::cell_path(&out, c), sweep::cell_path(&done, c)).unwrap();
+    }
+    let pair = ["kv_augment:floor".parse().unwrap()];
+    tolerable_driver::report::write_with_pairs(&done, true, &pair).unwrap();
+    let interim_files = [
+        "report-interim.md",
+        "summary-interim.parquet",
+        "pairs-interim.parquet",
+        "plots-interim",
+    ];
+    assert!(interim_files.iter().all(|f| done.join(f).exists()));
+    std::fs::copy(sweep::cell_path(&out, 1), sweep::cell_path(&done, 1)).unwrap();
+    std::fs::copy(out.join("summary.parquet"), done.join("summary.parquet")).unwrap();
+    let md = std::fs::read_to_string(tolerable_driver::report::write(&done).unwrap()).unwrap();
+    assert!(md.contains("| `kv_augment` | `floor` | 5 |"), "{md}");
+    assert!(done.join("pairs.parquet").exists());
+    for f in interim_files {
+        assert!(!done.join(f).exists(), "{f} is left");
+    }
 }
 
 #[test]
