@@ -61,11 +61,14 @@ def main():
         m = s[(s["family"] == family) & (s["bridge"] == bridge) & (s["rest"] == rest)]
         return None if m.empty else m.iloc[0]
 
+    def fmt_p(p):
+        return "1" if p >= 0.9995 else (f"{p:.3f}" if p >= 0.001 else f"{p:.1e}")
+
     def lift(r):
         if pd.isna(r["lift"]):
             return "–"
         return (f"{r['lift']:+.3f} [{r['lift_lo']:+.3f}, {r['lift_hi']:+.3f}] over `{r['strongest_control']}`; "
-                f"{int(r['lift_gained'])} / {int(r['lift_lost'])}, p {r['lift_mcnemar_p']:.1e}")
+                f"{int(r['lift_gained'])} / {int(r['lift_lost'])}, p {fmt_p(r['lift_mcnemar_p'])}")
 
     raw = by_name.loc[a.raw]
     print(f"{a.run} ({source}): n = {n}; floor {by_name.loc['floor', 'accuracy']:.3f}, "
