@@ -87,8 +87,9 @@ enum Cmd {
         /// The run folder (holding run.json and summary.parquet).
         dir: PathBuf,
         /// A run in progress (a sweep, or a Mode D measurement):
-        /// report-interim.md and plots-interim/ from the cells or units
-        /// written so far, marked as interim; nothing else is touched.
+        /// report-interim.md and plots-interim/ (and a sweep's
+        /// summary-interim.parquet) from the cells or units written so far,
+        /// marked as interim; nothing the run wrote is touched.
         #[arg(long)]
         interim: bool,
         /// Compare two arm families point by point, `family:against` (e.g.
