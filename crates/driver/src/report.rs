@@ -130,7 +130,11 @@ fn pairs_file(run_dir: &Path, interim: bool) -> PathBuf {
 /// The family pairs an earlier report compared: its own pairs file, else
 /// (a finished run's first report) the interim one's.
 fn remembered_pairs(run_dir: &Path, interim: bool) -> Result<Vec<FamilyPair>> {
-    for f in [pairs_file(run_dir, interim), pairs_file(run_dir, true)] {
+    let mut files = vec![pairs_file(run_dir, interim)];
+    if !interim {
+        files.push(pairs_file(run_dir, true));
+    }
+    for f in files {
         if f.exists() {
             return Ok(pairs_of(&read_records::<PairRow>(&read_parquet(&f)?)?));
         }
