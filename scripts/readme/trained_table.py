@@ -12,8 +12,17 @@ family at otherwise the same point; the mis-source control is the
 the zero-init gate is the `zero_init` family's arm reading the same
 resource (its bit-exact count against the untrained arm).
 
+With `--seeds RUN` (repeatable: the runs of the same bridges at other
+seeds, whose resources are named `<name>@seed=<k>`), a second table gives
+each bridge over every seed found: the mean and sample SD of the trained
+arm's accuracy across seeds with each seed's value, the same for its
+mis-source control and its answer-disjoint twin, and the zero-init gate's
+bit-exact count summed over seeds. A bridge without `@seed=` is seed 0 (its
+spec's seed).
+
     python3 scripts/readme/trained_table.py results/router-0.5b \
-        --trained routed --mis-source routed_mismatch --raw pool_uniform
+        --trained routed --mis-source routed_mismatch --raw pool_uniform \
+        [--seeds results/router-0.5b-seeds]
 """
 import argparse
 import json
@@ -32,20 +41,80 @@ def load(run):
              f"(run `cargo xtask report --interim {run}` on a run in progress)")
 
 
+def split_seed(bridge):
+    """`lora_q@seed=1` -> (`lora_q`, 1); a bridge without a seed suffix is seed 0."""
+    if not isinstance(bridge, str):
+        return None, None
+    name, _, seed = bridge.partition("@seed=")
+    return name, int(seed) if seed else 0
+
+
+def twin(bridge):
+    """The answer-disjoint twin's resource name: `r_disjoint`, before any seed suffix."""
+    name, _, seed = bridge.partition("@")
+    return name + "_disjoint" + ("@" + seed if seed else "")
+
+
+def annotate(s):
+    s = s.copy()
+    s["bridge"] = [json.loads(j).get("bridge", {}).get("resource") for j in s["arm_json"]]
+    s["base"] = [split_seed(b)[0] for b in s["bridge"]]
+    s["seed"] = [split_seed(b)[1] for b in s["bridge"]]
+    s["rest"] = [
+        json.dumps({k: v for k, v in json.loads(p).items() if k != "bridge.resource"}, sort_keys=True)
+        for p in s["point"]
+    ]
+    return s
+
+
+def over_seeds(frames, a):
+    """The second table: each bridge's figures across the seeds of every run given."""
+    s = pd.concat(frames, ignore_index=True)
+    s = s[s["bridge"].notna()]
+    dup = s[s.duplicated(["family", "base", "seed", "rest"], keep=False)]
+    if not dup.empty:
+        sys.exit("the same bridge at the same seed in two runs: "
+                 + ", ".join(sorted(set(dup["arm"]))))
+
+    def cell(family, base, rest, se=False):
+        m = s[(s["family"] == family) & (s["base"] == base) & (s["rest"] == rest)].sort_values("seed")
+        if m.empty:
+            return "–", 0
+        v = m["accuracy"].tolist()
+        each = ", ".join(f"{x:.3f}" for x in v)
+        if len(v) == 1:
+            return f"{v[0]:.3f} (seed {int(m['seed'].iloc[0])} only)", 1
+        sd = pd.Series(v).std(ddof=1)
+        return f"{sum(v) / len(v):.3f} ± {sd:.3f} ({each})", len(v)
+
+    print("\nOver seeds (mean ± SD across seeds; each seed's value, seeds in order "
+          + ", ".join(str(int(x)) for x in sorted(s["seed"].unique())) + "):\n")
+    print("| bridge | point | seeds | trained | mis-source control | answer-disjoint | its mis-source "
+          "| zero-init = untrained, bit-exact |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    t = s[(s["family"] == a.trained) & ~s["base"].str.endswith("_disjoint")]
+    for base, rest in t[["base", "rest"]].drop_duplicates().itertuples(index=False):
+        tr, k = cell(a.trained, base, rest)
+        gate = s[(s["family"] == "zero_init") & (s["base"] == base)]
+        gate_t = "–" if gate.empty or gate["bit_exact_items"].isna().any() else \
+            f"{int(gate['bit_exact_items'].sum())}/{int(gate['n_items'].sum())}"
+        print(f"| `{base}` | {rest if rest != '{}' else '–'} | {k} | {tr} "
+              f"| {cell(a.mis_source, base, rest)[0]} "
+              f"| {cell(a.trained, base + '_disjoint', rest)[0]} "
+              f"| {cell(a.mis_source, base + '_disjoint', rest)[0]} | {gate_t} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("run")
     ap.add_argument("--trained", required=True, help="the trained arm's family")
     ap.add_argument("--mis-source", required=True, help="its mis-source control's family")
     ap.add_argument("--raw", required=True, help="the untrained arm (its name)")
+    ap.add_argument("--seeds", action="append", default=[],
+                    help="a run of the same bridges at other seeds (repeatable)")
     a = ap.parse_args()
     s, source = load(a.run)
-    s = s.copy()
-    s["bridge"] = [json.loads(j).get("bridge", {}).get("resource") for j in s["arm_json"]]
-    s["rest"] = [
-        json.dumps({k: v for k, v in json.loads(p).items() if k != "bridge.resource"}, sort_keys=True)
-        for p in s["point"]
-    ]
+    s = annotate(s)
     by_name = s.set_index("arm")
     n = int(by_name.loc["floor", "n_items"])
 
@@ -77,11 +146,11 @@ def main():
           "| mis-source control | answer-disjoint | its mis-source | zero-init = untrained, bit-exact |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for _, r in s[s["family"] == a.trained].iterrows():
-        if r["bridge"].endswith("_disjoint"):
+        if r["base"].endswith("_disjoint"):
             continue
         mis = find(a.mis_source, r["bridge"], r["rest"])
-        dis = find(a.trained, r["bridge"] + "_disjoint", r["rest"])
-        dmis = find(a.mis_source, r["bridge"] + "_disjoint", r["rest"])
+        dis = find(a.trained, twin(r["bridge"]), r["rest"])
+        dmis = find(a.mis_source, twin(r["bridge"]), r["rest"])
         gate = find("zero_init", r["bridge"], "{}")
         gate_t = "–" if gate is None or pd.isna(gate["bit_exact_items"]) else \
             f"{int(gate['bit_exact_items'])}/{int(gate['n_items'])}"
@@ -89,6 +158,13 @@ def main():
               f"| {acc(mis, se=False) if mis is not None else '–'} "
               f"| {acc(dis) if dis is not None else '–'} "
               f"| {acc(dmis, se=False) if dmis is not None else '–'} | {gate_t} |")
+    if a.seeds:
+        frames = [s]
+        for run in a.seeds:
+            o, f = load(run)
+            print(f"\n{run} ({f}): n = {int(o.set_index('arm').loc['floor', 'n_items'])}")
+            frames.append(annotate(o))
+        over_seeds(frames, a)
 
 
 if __name__ == "__main__":
