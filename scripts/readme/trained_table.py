@@ -17,8 +17,9 @@ seeds, whose resources are named `<name>@seed=<k>`), a second table gives
 each bridge over every seed found: the mean and sample SD of the trained
 arm's accuracy across seeds with each seed's value, the same for its
 mis-source control and its answer-disjoint twin, and the zero-init gate's
-bit-exact count summed over seeds. A bridge without `@seed=` is seed 0 (its
-spec's seed).
+bit-exact count summed over seeds. Each bridge's seed is its spec's, read
+from the run's `run.json`; a grid's `<name>@seed=<k>` names one bridge of
+a family `<name>` across runs.
 
     python3 scripts/readme/trained_table.py results/router-0.5b \
         --trained routed --mis-source routed_mismatch --raw pool_uniform \
@@ -41,25 +42,24 @@ def load(run):
              f"(run `cargo xtask report --interim {run}` on a run in progress)")
 
 
-def split_seed(bridge):
-    """`lora_q@seed=1` -> (`lora_q`, 1); a bridge without a seed suffix is seed 0."""
-    if not isinstance(bridge, str):
-        return None, None
-    name, _, seed = bridge.partition("@seed=")
-    return name, int(seed) if seed else 0
+def base_of(bridge):
+    """The bridge family a resource belongs to: `lora_q@seed=1` -> `lora_q`."""
+    return bridge.partition("@seed=")[0] if isinstance(bridge, str) else None
 
 
 def twin(bridge):
     """The answer-disjoint twin's resource name: `r_disjoint`, before any seed suffix."""
-    name, _, seed = bridge.partition("@")
-    return name + "_disjoint" + ("@" + seed if seed else "")
+    base = base_of(bridge)
+    return base + "_disjoint" + bridge[len(base):]
 
 
-def annotate(s):
+def annotate(s, run):
     s = s.copy()
+    with open(os.path.join(run, "run.json")) as f:
+        specs = {k: v["spec"] for k, v in json.load(f)["resources"].items()}
     s["bridge"] = [json.loads(j).get("bridge", {}).get("resource") for j in s["arm_json"]]
-    s["base"] = [split_seed(b)[0] for b in s["bridge"]]
-    s["seed"] = [split_seed(b)[1] for b in s["bridge"]]
+    s["base"] = [base_of(b) for b in s["bridge"]]
+    s["seed"] = [specs[b]["seed"] if isinstance(b, str) else None for b in s["bridge"]]
     s["rest"] = [
         json.dumps({k: v for k, v in json.loads(p).items() if k != "bridge.resource"}, sort_keys=True)
         for p in s["point"]
@@ -76,7 +76,7 @@ def over_seeds(frames, a):
         sys.exit("the same bridge at the same seed in two runs: "
                  + ", ".join(sorted(set(dup["arm"]))))
 
-    def cell(family, base, rest, se=False):
+    def cell(family, base, rest):
         m = s[(s["family"] == family) & (s["base"] == base) & (s["rest"] == rest)].sort_values("seed")
         if m.empty:
             return "–", 0
@@ -114,7 +114,7 @@ def main():
                     help="a run of the same bridges at other seeds (repeatable)")
     a = ap.parse_args()
     s, source = load(a.run)
-    s = annotate(s)
+    s = annotate(s, a.run)
     by_name = s.set_index("arm")
     n = int(by_name.loc["floor", "n_items"])
 
@@ -163,7 +163,7 @@ def main():
         for run in a.seeds:
             o, f = load(run)
             print(f"\n{run} ({f}): n = {int(o.set_index('arm').loc['floor', 'n_items'])}")
-            frames.append(annotate(o))
+            frames.append(annotate(o, run))
         over_seeds(frames, a)
 
 
