@@ -16,7 +16,10 @@ fn git(root: &Path, args: &[&str]) -> Option<String> {
 }
 
 fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // Read at run time: a build script binary cargo reuses from another
+    // checkout of the same sources must look at this one.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let root = Path::new(&manifest).join("../..");
     let revision = match git(&root, &["rev-parse", "HEAD"]) {
         Some(rev) => {
             let dirty = git(
