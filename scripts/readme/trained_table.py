@@ -12,18 +12,17 @@ family at otherwise the same point; the mis-source control is the
 the zero-init gate is the `zero_init` family's arm reading the same
 resource (its bit-exact count against the untrained arm).
 
-With `--seeds RUN` (repeatable: the runs of the same bridges at other
-seeds, whose resources are named `<name>@seed=<k>`), a second table gives
-each bridge over every seed found: the mean and sample SD of the trained
-arm's accuracy across seeds with each seed's value, the same for its
-mis-source control and its answer-disjoint twin, and the zero-init gate's
-bit-exact count summed over seeds. Each bridge's seed is its spec's, read
-from the run's `run.json`; a grid's `<name>@seed=<k>` names one bridge of
-a family `<name>` across runs.
+With `--seeds`, a second table gives each bridge over its training seeds
+from the run's `seeds.parquet` (`cargo xtask report RUN --seeds OTHER`
+combines the run with the runs of the same bridges at other seeds; the
+mean and sample SD are `tolerable-stats`'): the trained arm's mean ± SD
+with each seed's value, the same for its mis-source control and its
+answer-disjoint twin, and the zero-init gate's bit-exact count summed over
+seeds.
 
+    cargo xtask report results/router-0.5b --seeds results/router-0.5b-seeds
     python3 scripts/readme/trained_table.py results/router-0.5b \
-        --trained routed --mis-source routed_mismatch --raw pool_uniform \
-        [--seeds results/router-0.5b-seeds]
+        --trained routed --mis-source routed_mismatch --raw pool_uniform [--seeds]
 """
 import argparse
 import json
@@ -53,13 +52,10 @@ def twin(bridge):
     return base + "_disjoint" + bridge[len(base):]
 
 
-def annotate(s, run):
+def annotate(s):
     s = s.copy()
-    with open(os.path.join(run, "run.json")) as f:
-        specs = {k: v["spec"] for k, v in json.load(f)["resources"].items()}
     s["bridge"] = [json.loads(j).get("bridge", {}).get("resource") for j in s["arm_json"]]
     s["base"] = [base_of(b) for b in s["bridge"]]
-    s["seed"] = [specs[b]["seed"] if isinstance(b, str) else None for b in s["bridge"]]
     s["rest"] = [
         json.dumps({k: v for k, v in json.loads(p).items() if k != "bridge.resource"}, sort_keys=True)
         for p in s["point"]
@@ -67,41 +63,42 @@ def annotate(s, run):
     return s
 
 
-def over_seeds(frames, a):
-    """The second table: each bridge's figures across the seeds of every run given."""
-    s = pd.concat(frames, ignore_index=True)
-    s = s[s["bridge"].notna()]
-    dup = s[s.duplicated(["family", "base", "seed", "rest"], keep=False)]
-    if not dup.empty:
-        sys.exit("the same bridge at the same seed in two runs: "
-                 + ", ".join(sorted(set(dup["arm"]))))
+def over_seeds(run, a):
+    """The second table: each bridge's figures across seeds, as `cargo xtask
+    report RUN --seeds OTHER` combined them (`seeds.parquet`)."""
+    for f in ("seeds.parquet", "seeds-interim.parquet"):
+        if os.path.exists(os.path.join(run, f)):
+            s = pd.read_parquet(os.path.join(run, f))
+            break
+    else:
+        sys.exit(f"{run}: no seeds.parquet (run `cargo xtask report {run} --seeds <other run>`)")
 
-    def cell(family, base, rest):
-        m = s[(s["family"] == family) & (s["base"] == base) & (s["rest"] == rest)].sort_values("seed")
+    def cell(family, bridge, point):
+        m = s[(s["family"] == family) & (s["bridge"] == bridge) & (s["point"] == point)]
         if m.empty:
             return "–", 0
-        v = m["accuracy"].tolist()
-        each = ", ".join(f"{x:.3f}" for x in v)
-        if len(v) == 1:
-            return f"{v[0]:.3f} (seed {int(m['seed'].iloc[0])} only)", 1
-        sd = pd.Series(v).std(ddof=1)
-        return f"{sum(v) / len(v):.3f} ± {sd:.3f} ({each})", len(v)
+        r = m.iloc[0]
+        each = ", ".join(f"{x:.3f}" for x in r["accuracy"])
+        if pd.isna(r["accuracy_sd"]):
+            return f"{r['accuracy_mean']:.3f} (seed {int(r['seeds'][0])} only)", 1
+        return f"{r['accuracy_mean']:.3f} ± {r['accuracy_sd']:.3f} ({each})", int(r["n_seeds"])
 
-    print("\nOver seeds (mean ± SD across seeds; each seed's value, seeds in order "
-          + ", ".join(str(int(x)) for x in sorted(s["seed"].unique())) + "):\n")
+    seeds = sorted({int(x) for v in s["seeds"] for x in v})
+    print(f"\nOver seeds ({f}: mean ± SD across seeds; each seed's value, seeds in order "
+          + ", ".join(str(x) for x in seeds) + "):\n")
     print("| bridge | point | seeds | trained | mis-source control | answer-disjoint | its mis-source "
           "| zero-init = untrained, bit-exact |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    t = s[(s["family"] == a.trained) & ~s["base"].str.endswith("_disjoint")]
-    for base, rest in t[["base", "rest"]].drop_duplicates().itertuples(index=False):
-        tr, k = cell(a.trained, base, rest)
-        gate = s[(s["family"] == "zero_init") & (s["base"] == base)]
+    t = s[(s["family"] == a.trained) & ~s["bridge"].str.endswith("_disjoint")]
+    for bridge, point in t[["bridge", "point"]].itertuples(index=False):
+        tr, k = cell(a.trained, bridge, point)
+        gate = s[(s["family"] == "zero_init") & (s["bridge"] == bridge)]
         gate_t = "–" if gate.empty or gate["bit_exact_items"].isna().any() else \
-            f"{int(gate['bit_exact_items'].sum())}/{int(gate['n_items'].sum())}"
-        print(f"| `{base}` | {rest if rest != '{}' else '–'} | {k} | {tr} "
-              f"| {cell(a.mis_source, base, rest)[0]} "
-              f"| {cell(a.trained, base + '_disjoint', rest)[0]} "
-              f"| {cell(a.mis_source, base + '_disjoint', rest)[0]} | {gate_t} |")
+            f"{int(gate['bit_exact_items'].sum())}/{int(gate['n_items_total'].sum())}"
+        print(f"| `{bridge}` | {point if point != '{}' else '–'} | {k} | {tr} "
+              f"| {cell(a.mis_source, bridge, point)[0]} "
+              f"| {cell(a.trained, bridge + '_disjoint', point)[0]} "
+              f"| {cell(a.mis_source, bridge + '_disjoint', point)[0]} | {gate_t} |")
 
 
 def main():
@@ -110,11 +107,11 @@ def main():
     ap.add_argument("--trained", required=True, help="the trained arm's family")
     ap.add_argument("--mis-source", required=True, help="its mis-source control's family")
     ap.add_argument("--raw", required=True, help="the untrained arm (its name)")
-    ap.add_argument("--seeds", action="append", default=[],
-                    help="a run of the same bridges at other seeds (repeatable)")
+    ap.add_argument("--seeds", action="store_true",
+                    help="also the table across seeds, from the run's seeds.parquet")
     a = ap.parse_args()
     s, source = load(a.run)
-    s = annotate(s, a.run)
+    s = annotate(s)
     by_name = s.set_index("arm")
     n = int(by_name.loc["floor", "n_items"])
 
@@ -159,12 +156,7 @@ def main():
               f"| {acc(dis) if dis is not None else '–'} "
               f"| {acc(dmis, se=False) if dmis is not None else '–'} | {gate_t} |")
     if a.seeds:
-        frames = [s]
-        for run in a.seeds:
-            o, f = load(run)
-            print(f"\n{run} ({f}): n = {int(o.set_index('arm').loc['floor', 'n_items'])}")
-            frames.append(annotate(o, run))
-        over_seeds(frames, a)
+        over_seeds(a.run, a)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@
 //! - `measure [--config F] [--out D] [--contexts a,b] [--dry-run]`: a
 //!   measurement run (`[measure]` configs: Mode D); `sweep --config F` on
 //!   such a config runs it too.
-//! - `report <run-dir> [--interim] [--pair family:against]`: Markdown
-//!   tables and plots of a run, with families compared point by point.
+//! - `report <run-dir> [--interim] [--pair family:against] [--seeds run-dir]`:
+//!   Markdown tables and plots of a run, with families compared point by
+//!   point and trained arms combined across seed runs.
 //! - `compare <run-a> <run-b>`: item rows of two runs compared value for value.
 #![allow(clippy::cloned_ref_to_slice_refs)] // `&[ids.clone()]` reads better as a batch of one
 
@@ -99,6 +100,14 @@ enum Cmd {
         /// are compared again.
         #[arg(long = "pair", value_name = "FAMILY:AGAINST")]
         pairs: Vec<String>,
+        /// Another run of the same trained arms with bridges trained from
+        /// other seeds (same model and items), repeatable: each trained arm
+        /// across every seed, in the report and `seeds.parquet`. A finished
+        /// run's report combines finished runs only; an interim one reads
+        /// the cells each run has finished. Without it, the runs of an
+        /// earlier report's seeds file are combined again.
+        #[arg(long = "seeds", value_name = "RUN_DIR")]
+        seeds: Vec<PathBuf>,
     },
     /// Speed figures, as ratios against candle-transformers in the same run,
     /// and the driver's arm figures.
@@ -191,7 +200,8 @@ fn main() -> Result<()> {
             dir,
             interim,
             pairs,
-        } => sweep::report(dir, interim, pairs)?,
+            seeds,
+        } => sweep::report(dir, interim, pairs, seeds)?,
         Cmd::Bench(opts) => bench::run(opts)?,
         Cmd::Compare { a, b, out } => {
             let c = tolerable_driver::records::compare::compare_runs(&a, &b)?;

@@ -7,6 +7,7 @@
 use crate::error::{io, DriverError, Result};
 use crate::records::columns::rows as read_records;
 use crate::records::pairs::{pair_rows, pairs_of, FamilyPair, PairRow};
+use crate::records::seeds::{seed_rows, SeedRow, SeedRun};
 use crate::records::{read_parquet, write_rows, SummaryRow};
 use plotters::prelude::*;
 use std::collections::BTreeMap;
@@ -57,12 +58,29 @@ pub fn write_interim(run_dir: &Path) -> Result<PathBuf> {
 /// first report, in `pairs-interim.parquet`) are compared again, so a
 /// report regenerated later keeps them.
 pub fn write_with_pairs(run_dir: &Path, interim: bool, pairs: &[FamilyPair]) -> Result<PathBuf> {
+    write_with(run_dir, interim, pairs, &[])
+}
+
+/// The report of [`write_with_pairs`], with the run's trained arms combined
+/// across training seeds with the runs in `seed_runs` (the same bridges
+/// trained from other seeds, over the same model and items;
+/// [`crate::records::seeds`]): a section of the report and `seeds.parquet`
+/// (`seeds-interim.parquet` for an interim report, where each run is read
+/// as far as it has got). A finished run's report combines finished runs
+/// only. With no runs named, the runs of an earlier report's seeds file are
+/// combined again.
+pub fn write_with(
+    run_dir: &Path,
+    interim: bool,
+    pairs: &[FamilyPair],
+    seed_runs: &[PathBuf],
+) -> Result<PathBuf> {
     let meta = crate::measure::read_json(&run_dir.join("run.json"))?;
     // Measurement runs (`[measure]` configs) have reports of their own.
     if meta["kind"] == "measure" {
-        if !pairs.is_empty() {
+        if !pairs.is_empty() || !seed_runs.is_empty() {
             return Err(DriverError::Records(format!(
-                "{}: family pairs compare a sweep's arms; a measurement run has none",
+                "{}: family pairs and seeds combine a sweep's arms; a measurement run has none",
                 run_dir.display()
             )));
         }
@@ -89,7 +107,19 @@ pub fn write_with_pairs(run_dir: &Path, interim: bool, pairs: &[FamilyPair]) -> 
     } else {
         pairs.to_vec()
     };
-    let out = render(run_dir, &meta, rows, coverage.as_ref(), &pairs)?;
+    let seed_runs = if seed_runs.is_empty() {
+        remembered_seed_runs(run_dir, interim)?
+    } else {
+        seed_runs.to_vec()
+    };
+    let seeds = if seed_runs.is_empty() {
+        Vec::new()
+    } else {
+        let seeds = combine_seeds(run_dir, &meta, &rows, &seed_runs, interim)?;
+        write_rows(seeds.clone(), &seeds_file(run_dir, interim))?;
+        seeds
+    };
+    let out = render(run_dir, &meta, rows, coverage.as_ref(), &pairs, &seeds)?;
     if !interim {
         remove_interim(run_dir)?;
     }
@@ -97,7 +127,8 @@ pub fn write_with_pairs(run_dir: &Path, interim: bool, pairs: &[FamilyPair]) -> 
 }
 
 /// Removes what interim reports wrote (`report-interim.md`,
-/// `plots-interim/`, `summary-interim.parquet`, `pairs-interim.parquet`)
+/// `plots-interim/`, `summary-interim.parquet`, `pairs-interim.parquet`,
+/// `seeds-interim.parquet`)
 /// once the finished run's report has replaced it; all of it is derived
 /// from the cells, which stay.
 fn remove_interim(run_dir: &Path) -> Result<()> {
@@ -105,6 +136,7 @@ fn remove_interim(run_dir: &Path) -> Result<()> {
         "report-interim.md",
         "summary-interim.parquet",
         "pairs-interim.parquet",
+        "seeds-interim.parquet",
     ] {
         let p = run_dir.join(f);
         if p.exists() {
@@ -142,6 +174,85 @@ fn remembered_pairs(run_dir: &Path, interim: bool) -> Result<Vec<FamilyPair>> {
     Ok(Vec::new())
 }
 
+/// The seeds file of a report.
+fn seeds_file(run_dir: &Path, interim: bool) -> PathBuf {
+    run_dir.join(if interim {
+        "seeds-interim.parquet"
+    } else {
+        "seeds.parquet"
+    })
+}
+
+/// The other runs an earlier report of the same kind (interim or finished)
+/// combined across seeds: the folders of its seeds file other than this
+/// run's. (A finished run's first report does not take up the interim
+/// file's runs: they may not have finished.)
+fn remembered_seed_runs(run_dir: &Path, interim: bool) -> Result<Vec<PathBuf>> {
+    let f = seeds_file(run_dir, interim);
+    if !f.exists() {
+        return Ok(Vec::new());
+    }
+    let here = run_dir
+        .canonicalize()
+        .map_err(io(format!("resolving {}", run_dir.display())))?;
+    let mut out: Vec<PathBuf> = Vec::new();
+    for row in read_records::<SeedRow>(&read_parquet(&f)?)? {
+        for d in row.run_dirs {
+            let p = PathBuf::from(&d);
+            let resolved = p.canonicalize().map_err(|e| {
+                DriverError::Records(format!(
+                    "{} combined seeds with the run in {d}, which cannot be read now ({e}); name the seed runs again with --seeds",
+                    f.display()
+                ))
+            })?;
+            if resolved != here && !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// This run's trained arms across seeds with the runs in `others`: a
+/// finished report reads each run's `summary.parquet` (and refuses a run
+/// without one); an interim report reads the cells each has finished where
+/// it has no summary yet.
+fn combine_seeds(
+    run_dir: &Path,
+    meta: &serde_json::Value,
+    rows: &[SummaryRow],
+    others: &[PathBuf],
+    interim: bool,
+) -> Result<Vec<SeedRow>> {
+    let mut loaded = Vec::with_capacity(others.len());
+    for dir in others {
+        let m = crate::measure::read_json(&dir.join("run.json"))?;
+        let r = if dir.join("summary.parquet").exists() {
+            read_rows(dir)?
+        } else if interim {
+            crate::sweep::interim_summary(dir)?.0
+        } else {
+            return Err(DriverError::Records(format!(
+                "{} has no summary.parquet: a finished run's seeds combine finished runs only (`report --interim` combines the cells finished so far)",
+                dir.display()
+            )));
+        };
+        loaded.push((dir.display().to_string(), m, r));
+    }
+    let here = run_dir.display().to_string();
+    let mut runs = vec![SeedRun {
+        dir: &here,
+        meta,
+        rows,
+    }];
+    runs.extend(loaded.iter().map(|(d, m, r)| SeedRun {
+        dir: d,
+        meta: m,
+        rows: r,
+    }));
+    seed_rows(&runs)
+}
+
 /// The report over summary rows: the finished run's, or an interim one's
 /// with its coverage.
 fn render(
@@ -150,6 +261,7 @@ fn render(
     rows: Vec<SummaryRow>,
     interim: Option<&crate::sweep::SweepCoverage>,
     pairs: &[FamilyPair],
+    seeds: &[SeedRow],
 ) -> Result<PathBuf> {
     let anchor = |name: &str| rows.iter().find(|r| r.arm.arm == name).cloned();
     let (floor, native) = (anchor("floor"), anchor("native"));
@@ -284,6 +396,9 @@ fn render(
         paired_section(&mut md, &paired, interim.is_some());
         write_rows(paired, &pairs_file(run_dir, interim.is_some()))?;
     }
+    if !seeds.is_empty() {
+        seeds_section(&mut md, seeds, interim.is_some());
+    }
     let notes = construction_notes(&rows, meta);
     if !notes.is_empty() {
         let _ = writeln!(md, "\n## Notes\n");
@@ -345,6 +460,44 @@ fn paired_section(md: &mut String, rows: &[PairRow], interim: bool) {
             r.diff_hi,
             r.gained,
             r.lost
+        );
+    }
+}
+
+/// The report's section of trained arms across seeds.
+fn seeds_section(md: &mut String, rows: &[SeedRow], interim: bool) {
+    let _ = writeln!(
+        md,
+        "\n## Across seeds\n\nEach trained arm over the seeds its bridge was trained from, in this run and the runs combined with it (`{}`): the mean and sample SD of the seeds' accuracies, each seed's accuracy, and the bit-exact gate summed over seeds.\n",
+        if interim { "seeds-interim.parquet" } else { "seeds.parquet" }
+    );
+    let _ = writeln!(
+        md,
+        "| family | bridge | point | seeds | accuracy mean ± SD | each seed (n) | conditional mean | bit-exact |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let each: Vec<String> = r
+            .seeds
+            .iter()
+            .zip(&r.accuracy)
+            .zip(&r.n_items)
+            .map(|((s, a), n)| format!("{s}: {a:.3} ({n})"))
+            .collect();
+        let _ = writeln!(
+            md,
+            "| `{}` | `{}` | {} | {} | {:.3} ± {} | {} | {} | {} |",
+            r.family,
+            r.bridge,
+            if r.point == "{}" { "–" } else { &r.point },
+            r.n_seeds,
+            r.accuracy_mean,
+            opt(r.accuracy_sd, 3),
+            each.join("; "),
+            opt(r.cond_accuracy_mean, 3),
+            r.bit_exact_items
+                .map(|k| format!("{k}/{}", r.n_items_total))
+                .unwrap_or_else(|| "–".into())
         );
     }
 }

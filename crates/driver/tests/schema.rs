@@ -4,7 +4,9 @@
 //! `TOLERABLE_PRINT_SCHEMA=1` prints the tables to paste.
 
 use tolerable_driver::records::columns::schema_markdown;
-use tolerable_driver::records::{ItemRow, MeasureRow, PairRow, ResourceRow, SampleRow, SummaryRow};
+use tolerable_driver::records::{
+    ItemRow, MeasureRow, PairRow, ResourceRow, SampleRow, SeedRow, SummaryRow,
+};
 
 #[test]
 fn results_readme_documents_the_declared_columns() {
@@ -23,6 +25,10 @@ fn results_readme_documents_the_declared_columns() {
         (
             "pairs.parquet, pairs-interim.parquet (PairRow)",
             schema_markdown::<PairRow>(),
+        ),
+        (
+            "seeds.parquet, seeds-interim.parquet (SeedRow)",
+            schema_markdown::<SeedRow>(),
         ),
         (
             "resources.parquet (ResourceRow)",

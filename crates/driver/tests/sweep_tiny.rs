@@ -1767,6 +1767,119 @@ fn a_bridge_trained_in_mini_batches_is_its_own_resource() {
     }
 }
 
+/// A trained arm combines across runs of the same bridges trained from
+/// other seeds: each seed's accuracy, their mean and SD, the zero-init gate
+/// summed; a later report combines the same runs again. Refused: the same
+/// seed twice, runs over other items, an unfinished run in a finished
+/// report (an interim report reads its cells).
+#[test]
+fn a_trained_arm_combines_across_seed_runs() {
+    use tolerable_driver::records::{
+        columns::rows as read_rows, read_parquet, SeedRow, SummaryRow,
+    };
+    use tolerable_driver::report::write_with;
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let s0 = bridge_config(dir.path(), &model, 1);
+    let text = std::fs::read_to_string(&s0).unwrap();
+    let s1 = dir.path().join("seed1.toml");
+    std::fs::write(&s1, text.replacen("lr = 0.01", "lr = 0.01\nseed = 1", 1)).unwrap();
+    let other_items = dir.path().join("n2.toml");
+    std::fs::write(&other_items, text.replacen("n = 3", "n = 2", 1)).unwrap();
+    let cache = dir.path().join("resources");
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    for (cfg, out) in [(&s0, "a"), (&s1, "b"), (&other_items, "c")] {
+        sweep::run(cfg, &opts(out)).unwrap();
+    }
+    let (a, b, c) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("c"),
+    );
+    assert_eq!(run_json(&b)["resources"]["qb"]["spec"]["seed"], 1);
+    assert_ne!(
+        run_json(&a)["resources"]["qb"]["hash"],
+        run_json(&b)["resources"]["qb"]["hash"]
+    );
+    let summary = |d: &Path| -> Vec<SummaryRow> {
+        read_rows(&read_parquet(&d.join("summary.parquet")).unwrap()).unwrap()
+    };
+    let acc =
+        |rows: &[SummaryRow], arm: &str| rows.iter().find(|r| r.arm.arm == arm).unwrap().accuracy;
+    let (sa, sb) = (summary(&a), summary(&b));
+    let seeds_of = |d: &Path, f: &str| -> Vec<SeedRow> {
+        read_rows(&read_parquet(&d.join(f)).unwrap()).unwrap()
+    };
+
+    let md = std::fs::read_to_string(write_with(&a, false, &[], std::slice::from_ref(&b)).unwrap())
+        .unwrap();
+    assert!(md.contains("## Across seeds"), "{md}");
+    let combined = seeds_of(&a, "seeds.parquet");
+    // The three trained arms (the bridged arm, its zero-init gate, its
+    // mis-source control); the untrained arm reads no bridge.
+    let fams: Vec<&str> = combined.iter().map(|r| r.family.as_str()).collect();
+    assert_eq!(fams, ["kv_bridge", "kv_bridge_init", "kv_bridge_mismatch"]);
+    for r in &combined {
+        assert_eq!(r.bridge, "qb");
+        assert_eq!(r.point, "{}");
+        assert_eq!((r.n_seeds, r.seeds.clone()), (2, vec![0, 1]));
+        assert_eq!(r.n_items, vec![3, 3]);
+        assert_eq!(r.n_items_total, 6);
+        let (x, y) = (acc(&sa, &r.family), acc(&sb, &r.family));
+        assert_eq!(r.accuracy, vec![x, y]);
+        assert!((r.accuracy_mean - (x + y) / 2.0).abs() < 1e-12);
+        assert!((r.accuracy_sd.unwrap() - (x - y).abs() / 2f64.sqrt()).abs() < 1e-12);
+        assert_eq!(r.run_dirs[1], b.display().to_string());
+    }
+    assert_eq!(combined[1].bit_exact_items, Some(6));
+    assert_eq!(combined[0].bit_exact_items, None);
+    // An independent reader sees the lists.
+    let (names, prow) = rows(&a.join("seeds.parquet"));
+    assert_eq!(col(&names, &prow, "seeds")[0], "[0, 1]");
+
+    // A later report combines the same runs again.
+    let md = std::fs::read_to_string(tolerable_driver::report::write(&a).unwrap()).unwrap();
+    assert!(md.contains("## Across seeds"), "{md}");
+    assert_eq!(seeds_of(&a, "seeds.parquet"), combined);
+
+    // Refused, with nothing written: the same seed twice, other items.
+    let before = std::fs::read(a.join("seeds.parquet")).unwrap();
+    let e = write_with(&a, false, &[], std::slice::from_ref(&a))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("same trained arm at the same seed (0)"), "{e}");
+    let e = write_with(&a, false, &[], std::slice::from_ref(&c))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("do not share their evaluation items"), "{e}");
+    assert_eq!(std::fs::read(a.join("seeds.parquet")).unwrap(), before);
+
+    // A run in progress: refused by a finished report, read as far as it
+    // has got by an interim one, whose file the finished report removes.
+    let part = dir.path().join("b-part");
+    std::fs::create_dir_all(part.join("items")).unwrap();
+    std::fs::copy(b.join("run.json"), part.join("run.json")).unwrap();
+    std::fs::copy(
+        b.join("items/cell-00000.parquet"),
+        part.join("items/cell-00000.parquet"),
+    )
+    .unwrap();
+    let e = write_with(&a, false, &[], std::slice::from_ref(&part))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("has no summary.parquet"), "{e}");
+    write_with(&a, true, &[], std::slice::from_ref(&part)).unwrap();
+    let interim = seeds_of(&a, "seeds-interim.parquet");
+    assert_eq!(interim[0].n_items, vec![3, 2]);
+    tolerable_driver::report::write(&a).unwrap();
+    assert!(!a.join("seeds-interim.parquet").exists());
+    assert_eq!(seeds_of(&a, "seeds.parquet"), combined);
+}
+
 /// The continuations of `arm` per item, over every cell of a run.
 fn continuations(out: &Path, arm: &str) -> BTreeMap<String, String> {
     let mut by_item = BTreeMap::new();

@@ -13,6 +13,7 @@ pub mod proportion;
 
 pub use measures::{
     cosine, kl_divergence_logits, log_softmax, mean_standard_error, pearson, relative_l2, softmax,
+    spread, Spread,
 };
 pub use proportion::{
     difference, lift, mcnemar_exact, paired, Difference, Interval, Lift, Paired, Proportion,

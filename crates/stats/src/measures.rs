@@ -63,17 +63,46 @@ pub fn relative_l2(a: &[f32], b: &[f32]) -> Result<f64> {
     Ok((d / r).sqrt())
 }
 
+/// The spread of independent replicates of one measurement (an arm's
+/// accuracy under bridges trained from different seeds): how many, their
+/// mean, and their sample standard deviation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Spread {
+    /// Number of replicates.
+    pub n: usize,
+    /// Their mean.
+    pub mean: f64,
+    /// Their sample standard deviation (divisor n − 1); none for a single
+    /// replicate, which says nothing of the spread.
+    pub sd: Option<f64>,
+}
+
+/// The spread of independent replicates; at least one value.
+pub fn spread(x: &[f64]) -> Result<Spread> {
+    if x.is_empty() {
+        return Err(StatsError::Empty("replicates"));
+    }
+    let n = x.len() as f64;
+    let mean = x.iter().sum::<f64>() / n;
+    let sd = (x.len() > 1)
+        .then(|| (x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt());
+    Ok(Spread {
+        n: x.len(),
+        mean,
+        sd,
+    })
+}
+
 /// The standard error of the mean of independent measurements: their
 /// sample standard deviation (divisor n − 1) over the square root of their
 /// number. Needs at least two values.
 pub fn mean_standard_error(x: &[f64]) -> Result<f64> {
-    if x.len() < 2 {
-        return Err(StatsError::Empty("sample of at least two values"));
+    match spread(x)? {
+        Spread {
+            n, sd: Some(sd), ..
+        } => Ok(sd / (n as f64).sqrt()),
+        _ => Err(StatsError::Empty("sample of at least two values")),
     }
-    let n = x.len() as f64;
-    let mean = x.iter().sum::<f64>() / n;
-    let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    Ok((var / n).sqrt())
 }
 
 /// log softmax of logits, in f64.
@@ -118,6 +147,25 @@ mod tests {
         assert_eq!(mean_standard_error(&[2., 2., 2.]), Ok(0.0));
         assert!(mean_standard_error(&[1.]).is_err());
         assert!(mean_standard_error(&[]).is_err());
+    }
+
+    #[test]
+    fn spread_of_replicates() {
+        // 0.55, 0.60, 0.65: mean 0.60, sample SD 0.05.
+        let s = spread(&[0.55, 0.60, 0.65]).unwrap();
+        assert_eq!(s.n, 3);
+        assert!((s.mean - 0.60).abs() < 1e-12);
+        assert!((s.sd.unwrap() - 0.05).abs() < 1e-12);
+        // One replicate: a mean, no spread.
+        assert_eq!(
+            spread(&[0.5]),
+            Ok(Spread {
+                n: 1,
+                mean: 0.5,
+                sd: None
+            })
+        );
+        assert!(spread(&[]).is_err());
     }
 
     #[test]

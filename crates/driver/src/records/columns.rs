@@ -131,6 +131,52 @@ leaf!(
     }
 );
 leaf!(
+    Vec<i64>,
+    "list<int64>",
+    |n, v| {
+        let s: Vec<Series> = v.iter().map(|x| Series::new("".into(), x)).collect();
+        Column::new(n.into(), s)
+    },
+    |c| {
+        let lc = c.list()?;
+        let mut out = Vec::with_capacity(lc.len());
+        for i in 0..lc.len() {
+            out.push(match lc.get_as_series(i) {
+                Some(s) => s
+                    .i64()?
+                    .iter()
+                    .map(|x| required(x, c.name()))
+                    .collect::<PolarsResult<_>>()?,
+                None => required(None, c.name())?,
+            });
+        }
+        out
+    }
+);
+leaf!(
+    Vec<f64>,
+    "list<double>",
+    |n, v| {
+        let s: Vec<Series> = v.iter().map(|x| Series::new("".into(), x)).collect();
+        Column::new(n.into(), s)
+    },
+    |c| {
+        let lc = c.list()?;
+        let mut out = Vec::with_capacity(lc.len());
+        for i in 0..lc.len() {
+            out.push(match lc.get_as_series(i) {
+                Some(s) => s
+                    .f64()?
+                    .iter()
+                    .map(|x| required(x, c.name()))
+                    .collect::<PolarsResult<_>>()?,
+                None => required(None, c.name())?,
+            });
+        }
+        out
+    }
+);
+leaf!(
     Vec<String>,
     "list<string>",
     |n, v| {

@@ -14,6 +14,7 @@ pub mod compare;
 pub mod measure;
 pub mod pairs;
 pub mod resource;
+pub mod seeds;
 pub mod summary;
 
 use crate::config::PlannedArm;
@@ -26,6 +27,7 @@ use std::path::{Path, PathBuf};
 pub use measure::MeasureRow;
 pub use pairs::{FamilyPair, PairRow};
 pub use resource::ResourceRow;
+pub use seeds::{seed_rows, SeedRow};
 pub use summary::{summarize, SummaryRow};
 
 record! {
