@@ -52,6 +52,15 @@ pub struct RunSection {
     /// layout) by default; above 1 it is part of the config's hash.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub item_batch: usize,
+    /// Arms that differ only in the bridge their question and decoding read
+    /// (a LoRA ladder's rungs, their zero-init gates, the untrained arm
+    /// over the same cache) run as one batch, each sequence with its own
+    /// adapters: far fewer batch-1 decodes, with a batch's own float
+    /// rounding (a gated arm then shares its anchor's batch instead of
+    /// decoding alone), so off by default; when on it is part of the
+    /// config's hash.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub batch_bridges: bool,
 }
 
 pub(crate) fn one() -> usize {

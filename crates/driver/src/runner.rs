@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 use tolerable_probe::ContextPair;
 use tolerable_runtime::gates::bit_equal;
-use tolerable_runtime::{GreedyOptions, KvCache, Model, Tokenizer};
+use tolerable_runtime::{GreedyOptions, HookSpec, KvCache, Model, Tokenizer};
 
 /// What one arm produced on one item.
 #[derive(Debug, Clone)]
@@ -45,6 +45,9 @@ pub struct ItemTiming {
     pub prepare_s: f64,
     /// The question and decoding of every arm (batched or not).
     pub decode_s: f64,
+    /// Question-and-decoding batches its arms ran in (a batch shared with
+    /// other items counts for each).
+    pub batches: usize,
 }
 
 /// How the runner batches arms.
@@ -102,6 +105,7 @@ pub struct Runner<'a> {
     greedy: GreedyOptions,
     seed: u64,
     batching: Batching,
+    batch_bridges: bool,
     partner_passes: crate::passes::PartnerPasses,
 }
 
@@ -124,6 +128,7 @@ impl<'a> Runner<'a> {
             greedy: GreedyOptions::tokens(new_tokens),
             seed,
             batching: Batching::Batched,
+            batch_bridges: false,
             partner_passes: Default::default(),
         }
     }
@@ -148,6 +153,14 @@ impl<'a> Runner<'a> {
     /// Sets how arms are batched.
     pub fn with_batching(mut self, batching: Batching) -> Self {
         self.batching = batching;
+        self
+    }
+
+    /// Whether arms that differ only in their bridge's adapters share a
+    /// batch, each sequence with its own adapters (`[run] batch_bridges`);
+    /// a gated arm then decodes in its anchor's batch, not alone.
+    pub fn with_bridge_batching(mut self, on: bool) -> Self {
+        self.batch_bridges = on;
         self
     }
 
@@ -191,19 +204,27 @@ impl<'a> Runner<'a> {
             items.push(self.prepare_item(job)?);
         }
         // Group arms; each group runs the question and decoding as one batch
-        // (a program marked `decode_alone` forms a group of its own).
+        // (a program marked `decode_alone` forms a group of its own, unless
+        // bridges share batches: then a gated arm and its anchor, over one
+        // cache layout, share one).
         let mut groups: BTreeMap<String, Vec<(usize, usize)>> = BTreeMap::new();
         for (i, (prepared, _)) in items.iter().enumerate() {
             for (a, (p, _)) in prepared.iter().enumerate() {
+                let question = if self.batch_bridges {
+                    ""
+                } else {
+                    p.question_key.as_str()
+                };
                 let key = match self.batching {
-                    _ if self.plan.programs[a].decode_alone => format!("{i:06}:alone{a:06}"),
+                    _ if self.plan.programs[a].decode_alone && !self.batch_bridges => {
+                        format!("{i:06}:alone{a:06}")
+                    }
                     Batching::Batched => format!(
-                        "{i:06}:{}:{:?}:{}",
+                        "{i:06}:{}:{:?}:{question}",
                         p.cache.len(),
                         p.cache.segments(),
-                        p.question_key
                     ),
-                    Batching::Padded => p.question_key.clone(),
+                    Batching::Padded => question.to_string(),
                     Batching::OneAtATime => format!("{i:06}:arm{a:06}"),
                 };
                 groups.entry(key).or_default().push((i, a));
@@ -224,7 +245,17 @@ impl<'a> Runner<'a> {
                 .map(|&(i, _)| jobs[i].pair.suffix.clone())
                 .collect();
             let (i0, a0) = members[0];
-            let spec = &items[i0].0[a0].0.question;
+            let per_row;
+            let spec = if self.batch_bridges {
+                let specs: Vec<&HookSpec> = members
+                    .iter()
+                    .map(|&(i, a)| &items[i].0[a].0.question)
+                    .collect();
+                per_row = HookSpec::per_row(&specs)?;
+                &per_row
+            } else {
+                &items[i0].0[a0].0.question
+            };
             let greedy = self.greedy.clone().with_adapters(spec);
             let gen = if self.batching == Batching::Padded {
                 let mut cache = KvCache::stack_padded(&refs)?;
@@ -236,6 +267,11 @@ impl<'a> Runner<'a> {
                     .generate_with(&prompts, &mut cache, spec, &greedy)?
             };
             let share = t0.elapsed().as_secs_f64() / members.len() as f64;
+            let mut in_batch: Vec<usize> = members.iter().map(|&(i, _)| i).collect();
+            in_batch.dedup();
+            for i in in_batch {
+                items[i].1.batches += 1;
+            }
             for (row, &(i, a)) in members.iter().enumerate() {
                 items[i].1.decode_s += share;
                 results[i][a] = Some((

@@ -969,11 +969,14 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     } else {
         Batching::Batched
     };
-    let batching_text = match batching {
+    let mut batching_text = match batching {
         Batching::Padded => format!("padded, {} items a batch", cfg.run.item_batch),
         Batching::Batched => "per item, by cache layout".to_string(),
         Batching::OneAtATime => "one arm at a time".to_string(),
     };
+    if cfg.run.batch_bridges && batching != Batching::OneAtATime {
+        batching_text.push_str("; bridges batched, each sequence with its own adapters");
+    }
     invocations.push(crate::measure::invocation(
         &tolerable_runtime::matmul_backend(cfg.run.row_kernel),
         serde_json::json!({
@@ -1098,11 +1101,13 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         cfg.run.seed,
     )
     .with_batching(batching)
+    .with_bridge_batching(cfg.run.batch_bridges)
     .with_senders(&senders)
     .with_cross_holders(&ck.tokenizer, &holders);
     let t_run = Instant::now();
     let setup_seconds = t_load.elapsed().as_secs_f64();
     let mut done = 0usize;
+    let mut batches = 0usize;
     for (k, &c) in todo.iter().enumerate() {
         bar.set_message(format!("cell {c}"));
         let lo = c * cfg.run.cell_items;
@@ -1119,6 +1124,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
                 })
                 .collect();
             let outs = runner.run_items_timed(&jobs)?;
+            batches += outs.iter().map(|(_, t)| t.batches).sum::<usize>();
             for (&i, (outs, _)) in chunk.iter().zip(&outs) {
                 rows.extend(item_rows(
                     &cfg,
@@ -1142,6 +1148,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
                 "cells_computed": k + 1,
                 "items_computed": done,
                 "cell_seconds": t_run.elapsed().as_secs_f64(),
+                "decode_batches": batches,
             }),
         )?;
         if headless {

@@ -1767,6 +1767,72 @@ fn a_bridge_trained_in_mini_batches_is_its_own_resource() {
     }
 }
 
+/// `[run] batch_bridges`: the bridged arm, its zero-init gate and the raw
+/// arm over the same cache read their question and decode as one batch,
+/// each sequence with its own adapters: fewer batches, the gate still bit
+/// for bit, the same continuations as each decoding alone (on this model;
+/// a batch rounds in its own order), another config hash, and run.json
+/// says how arms were batched.
+#[test]
+fn bridges_batched_decode_together_and_keep_their_gate() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let alone = bridge_config(dir.path(), &model, 1);
+    let text = std::fs::read_to_string(&alone).unwrap();
+    let together = dir.path().join("together.toml");
+    std::fs::write(
+        &together,
+        text.replacen("cell_items = 2", "cell_items = 2\nbatch_bridges = true", 1),
+    )
+    .unwrap();
+    let cache = dir.path().join("resources");
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    sweep::run(&alone, &opts("alone")).unwrap();
+    sweep::run(&together, &opts("together")).unwrap();
+    let (m1, m2) = (
+        run_json(&dir.path().join("alone")),
+        run_json(&dir.path().join("together")),
+    );
+    assert_ne!(m1["config_hash"], m2["config_hash"]);
+    assert_eq!(m1["resources"]["qb"]["hash"], m2["resources"]["qb"]["hash"]);
+    let inv = |m: &serde_json::Value| m["invocations"][0].clone();
+    assert!(inv(&m2)["batching"]
+        .as_str()
+        .unwrap()
+        .contains("bridges batched"));
+    assert!(!inv(&m1)["batching"].as_str().unwrap().contains("bridges"));
+    // Per item: the gated pair and the bridged arm alone make 3 batches
+    // and the mismatch arm 1, where batched bridges make one batch of the
+    // three over the holder's cache.
+    let (b1, b2) = (
+        inv(&m1)["decode_batches"].as_u64().unwrap(),
+        inv(&m2)["decode_batches"].as_u64().unwrap(),
+    );
+    assert!(b2 + 2 * 3 <= b1, "{b2} batches against {b1}");
+    for arm in [
+        "kv_augment",
+        "kv_bridge",
+        "kv_bridge_init",
+        "kv_bridge_mismatch",
+    ] {
+        let c = continuations(&dir.path().join("together"), arm);
+        assert_eq!(c.len(), 3);
+        assert_eq!(c, continuations(&dir.path().join("alone"), arm), "{arm}");
+    }
+    for cell in std::fs::read_dir(dir.path().join("together/items")).unwrap() {
+        let (names, rows) = rows(&cell.unwrap().path());
+        let arm = col(&names, &rows, "arm");
+        let exact = col(&names, &rows, "bit_exact");
+        for i in (0..arm.len()).filter(|&i| arm[i] == "kv_bridge_init") {
+            assert_eq!(exact[i], "true", "row {i}");
+        }
+    }
+}
+
 /// A trained arm combines across runs of the same bridges trained from
 /// other seeds: each seed's accuracy, their mean and SD, the zero-init gate
 /// summed; a later report combines the same runs again. Refused: the same

@@ -411,7 +411,9 @@ pub enum Projection {
 /// the `hook_q` / `hook_k` / `hook_v` hooks and RoPE). The receiver's
 /// weights stay untouched; `A` and `B` may be trainable variables, and
 /// gradients flow through them on the differentiable kernels. With `B`
-/// zero the forward is the unadapted one.
+/// zero the forward is the unadapted one. An adapter may apply to some
+/// sequences of a batch only (`rows`): arms with different bridges then
+/// read their questions and decode as one batch, each with its own.
 #[derive(Debug, Clone)]
 pub struct Adapter {
     /// The layer.
@@ -424,6 +426,9 @@ pub struct Adapter {
     pub b: Tensor,
     /// Scale of the low-rank term (LoRA's alpha / rank).
     pub scale: f64,
+    /// The sequences of the batch it applies to (the others get an exact
+    /// zero); every sequence when none.
+    pub rows: Option<Vec<usize>>,
 }
 
 /// What to capture and where to intervene during one forward call.
@@ -469,6 +474,36 @@ impl HookSpec {
             adapters: self.adapters.clone(),
             ..HookSpec::default()
         }
+    }
+
+    /// One batch's hooks from each sequence's own (`specs[r]` for row `r`):
+    /// every adapter of a row applies to that row only. Only adapters
+    /// combine so: a spec with captures or interventions is refused, as is
+    /// an adapter already limited to rows.
+    pub fn per_row(specs: &[&HookSpec]) -> Result<HookSpec> {
+        let mut out = HookSpec::new();
+        for (row, spec) in specs.iter().enumerate() {
+            if !spec.captures.is_empty() || !spec.interventions.is_empty() {
+                return Err(RuntimeError::BadIntervention {
+                    site: format!("batch row {row}"),
+                    reason: "only adapters combine per row; this row's hooks capture or intervene"
+                        .into(),
+                });
+            }
+            for a in &spec.adapters {
+                if a.rows.is_some() {
+                    return Err(RuntimeError::BadIntervention {
+                        site: format!("adapter on blocks.{}.{:?}", a.layer, a.projection),
+                        reason: "already limited to rows of a batch".into(),
+                    });
+                }
+                out.adapters.push(Adapter {
+                    rows: Some(vec![row]),
+                    ..a.clone()
+                });
+            }
+        }
+        Ok(out)
     }
 
     /// Adds a capture.

@@ -649,12 +649,31 @@ impl Model {
                 ad.b.dims()
             )));
         }
+        // Only the sequences it applies to: the others get an exact zero.
+        let (h, rows) = match &ad.rows {
+            None => (h.clone(), None),
+            Some(rows) => {
+                if rows.is_empty() || rows.iter().any(|&r| r >= b) {
+                    return Err(bad(format!("rows {rows:?} are not rows of a batch of {b}")));
+                }
+                let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                let idx = Tensor::new(idx.as_slice(), h.device())?;
+                (h.index_select(&idx, 0)?, Some(idx))
+            }
+        };
+        let br = h.dim(0)?;
         let y = h
-            .reshape((b * s, d))?
+            .reshape((br * s, d))?
             .matmul(&ad.a)?
             .matmul(&ad.b)?
             .affine(ad.scale, 0.0)?;
-        Ok(y.reshape((b, s, n, hd))?.transpose(1, 2)?.contiguous()?)
+        let y = y.reshape((br, s, n, hd))?.transpose(1, 2)?.contiguous()?;
+        Ok(match rows {
+            None => y,
+            Some(idx) => {
+                Tensor::zeros((b, n, s, hd), y.dtype(), y.device())?.index_add(&idx, &y, 0)?
+            }
+        })
     }
 
     /// A projection of the receiver's weights: under differentiable kernels

@@ -791,6 +791,7 @@ fn low_rank_adapters_start_as_the_identity_act_as_a_weight_edit_and_train() {
             a: seeded((d, 4), 1, 0.2),
             b: Tensor::zeros((4, out), candle_core::DType::F32, &Device::Cpu).unwrap(),
             scale: 2.0,
+            rows: None,
         }
     }));
     let z = m
@@ -806,6 +807,7 @@ fn low_rank_adapters_start_as_the_identity_act_as_a_weight_edit_and_train() {
         a: seeded((d, 4), 2, 0.5),
         b: seeded((4, nkv * hd), 3, 0.5),
         scale: 0.5,
+        rows: None,
     };
     let cap = HookSpec::new().capture(HookPoint::K(0));
     let o1 = m
@@ -849,6 +851,7 @@ fn low_rank_adapters_start_as_the_identity_act_as_a_weight_edit_and_train() {
             a: a.clone(),
             b: b.clone(),
             scale: 1.0,
+            rows: None,
         });
         let logits = diff
             .forward(&t, &mut diff.new_cache(1), &spec, LogitsAt::Last)
@@ -891,6 +894,7 @@ fn low_rank_adapters_start_as_the_identity_act_as_a_weight_edit_and_train() {
         a: a.as_tensor().clone(),
         b: b.as_tensor().clone(),
         scale: 1.0,
+        rows: None,
     });
     let mut c1 = m.new_cache(1);
     let first = m
@@ -913,6 +917,133 @@ fn low_rank_adapters_start_as_the_identity_act_as_a_weight_edit_and_train() {
         .unwrap();
     assert_eq!(g_ad.tokens[0].len(), 3);
     assert_eq!(g_plain.tokens[0][0], g_ad.tokens[0][0]);
+}
+
+/// Adapters limited to rows of a batch (`HookSpec::per_row`): each
+/// sequence reads its prompt and decodes with its own adapters, as it would
+/// alone (to float rounding: a batch sums in another order than one row);
+/// a row with no adapter, or with B = 0, is bit-identical to the same row
+/// of the unadapted batch. Hooks that cannot combine per row are refused.
+#[test]
+fn adapters_apply_to_their_own_rows_of_a_batch() {
+    let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
+    let cfg = ck.model.config().clone();
+    let (d, hd, nh, nkv) = (cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+    let m = ck.model.clone();
+    let ids = ck.tokenizer.encode(PROMPTS[0]).unwrap();
+    let out_of = |p: Projection| {
+        if p == Projection::Q {
+            nh * hd
+        } else {
+            nkv * hd
+        }
+    };
+    let adapter = |p: Projection, seed: u64, zero_b: bool| Adapter {
+        layer: 1,
+        projection: p,
+        a: seeded((d, 4), seed, 0.5),
+        b: if zero_b {
+            Tensor::zeros((4, out_of(p)), candle_core::DType::F32, &Device::Cpu).unwrap()
+        } else {
+            seeded((4, out_of(p)), seed + 1, 0.5)
+        },
+        scale: 1.0,
+        rows: None,
+    };
+    let trained = HookSpec::new()
+        .adapt(adapter(Projection::Q, 10, false))
+        .adapt(adapter(Projection::V, 12, false));
+    let none = HookSpec::new();
+    let zero = HookSpec::new()
+        .adapt_all([Projection::Q, Projection::K, Projection::V].map(|p| adapter(p, 20, true)));
+    let batch = HookSpec::per_row(&[&trained, &none, &zero]).unwrap();
+    assert!(batch
+        .adapters()
+        .iter()
+        .all(|a| a.rows.as_ref().unwrap().len() == 1));
+    let t3 = m.tokens(&[ids.clone(), ids.clone(), ids.clone()]).unwrap();
+    let logits = |spec: &HookSpec, t: &Tensor, b: usize| {
+        m.forward(t, &mut m.new_cache(b), spec, LogitsAt::All)
+            .unwrap()
+            .logits
+            .unwrap()
+    };
+    let row = |x: &Tensor, r: usize| -> Vec<f32> {
+        x.narrow(0, r, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let mixed = logits(&batch, &t3, 3);
+    let plain = logits(&HookSpec::new(), &t3, 3);
+    // Rows without a (non-zero) adapter: the unadapted batch's, bit for bit.
+    assert_eq!(row(&mixed, 1), row(&plain, 1));
+    assert_eq!(row(&mixed, 2), row(&plain, 2));
+    // The adapted row: its own adapters, as alone, and not the plain row.
+    let alone = logits(&trained, &m.tokens(&[ids.clone()]).unwrap(), 1);
+    let (a, b) = (row(&mixed, 0), row(&alone, 0));
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(diff < 1e-4, "{diff}");
+    let moved = a
+        .iter()
+        .zip(row(&plain, 0))
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(moved > 1e-3, "the adapter moved nothing: {moved}");
+    // Decoding keeps each row's adapters: the same tokens as alone.
+    let mut c3 = m.new_cache(3);
+    let g3 = m
+        .generate_with(
+            &[ids.clone(), ids.clone(), ids.clone()],
+            &mut c3,
+            &batch,
+            &GreedyOptions::tokens(4).with_adapters(&batch),
+        )
+        .unwrap();
+    let g1 = m
+        .generate_with(
+            &[ids.clone()],
+            &mut m.new_cache(1),
+            &trained,
+            &GreedyOptions::tokens(4).with_adapters(&trained),
+        )
+        .unwrap();
+    let gp = m
+        .generate_with(
+            &[ids.clone(), ids.clone(), ids.clone()],
+            &mut m.new_cache(3),
+            &HookSpec::new(),
+            &GreedyOptions::tokens(4),
+        )
+        .unwrap();
+    assert_eq!(g3.tokens[0], g1.tokens[0]);
+    assert_eq!(g3.tokens[1..], gp.tokens[1..]);
+    // Refused: a row's captures or interventions, an adapter already
+    // limited to rows, rows outside the batch.
+    let e = HookSpec::per_row(&[&none, &HookSpec::new().capture(HookPoint::K(0))])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("batch row 1") && e.contains("only adapters"),
+        "{e}"
+    );
+    let e = HookSpec::per_row(&[&batch]).unwrap_err().to_string();
+    assert!(e.contains("already limited to rows"), "{e}");
+    let outside = HookSpec::new().adapt(Adapter {
+        rows: Some(vec![3]),
+        ..adapter(Projection::Q, 30, false)
+    });
+    let e = m
+        .forward(&t3, &mut m.new_cache(3), &outside, LogitsAt::Last)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not rows of a batch of 3"), "{e}");
 }
 
 /// Character offsets: a text encoded at once and ids encoded segment by

@@ -544,6 +544,7 @@ fn adapters_of(
                 a,
                 b,
                 scale,
+                rows: None,
             })
         })
         .collect()
@@ -1096,6 +1097,7 @@ impl ResourceKind for BridgeSpec {
                     a: get(&format!("{key}.a"))?,
                     b: get(&format!("{key}.b"))?,
                     scale,
+                    rows: None,
                 });
             }
         }
