@@ -50,6 +50,27 @@ pub struct ItemTiming {
     pub batches: usize,
 }
 
+/// Batch keys with every gate kept comparable: an anchor and the arms
+/// gated against it (`gated`, by position) keep their keys where all share
+/// the anchor's, and each take their own `alone` key where one does not
+/// (bit-equality needs both sides computed on the same path).
+fn keep_gates_together(
+    keys: &mut [String],
+    gated: &BTreeMap<usize, Vec<usize>>,
+    alone: impl Fn(usize) -> String,
+) {
+    for (&x, arms) in gated {
+        if arms.iter().any(|&g| keys[g] != keys[x]) {
+            tracing::debug!(
+                "arm {x} and the arms gated against it decode alone: their layouts differ"
+            );
+            for &a in arms.iter().chain([&x]) {
+                keys[a] = alone(a);
+            }
+        }
+    }
+}
+
 /// How the runner batches arms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Batching {
@@ -205,28 +226,39 @@ impl<'a> Runner<'a> {
         }
         // Group arms; each group runs the question and decoding as one batch
         // (a program marked `decode_alone` forms a group of its own, unless
-        // bridges share batches: then a gated arm and its anchor, over one
-        // cache layout, share one).
+        // bridges share batches: then a gated arm shares its anchor's batch
+        // where their caches share a layout, and the anchor and all its
+        // gated arms decode alone where one of them does not).
+        let alone = |i: usize, a: usize| format!("{i:06}:alone{a:06}");
         let mut groups: BTreeMap<String, Vec<(usize, usize)>> = BTreeMap::new();
         for (i, (prepared, _)) in items.iter().enumerate() {
-            for (a, (p, _)) in prepared.iter().enumerate() {
-                let question = if self.batch_bridges {
-                    ""
-                } else {
-                    p.question_key.as_str()
-                };
-                let key = match self.batching {
-                    _ if self.plan.programs[a].decode_alone && !self.batch_bridges => {
-                        format!("{i:06}:alone{a:06}")
+            let mut keys: Vec<String> = prepared
+                .iter()
+                .enumerate()
+                .map(|(a, (p, _))| {
+                    let question = if self.batch_bridges {
+                        ""
+                    } else {
+                        p.question_key.as_str()
+                    };
+                    match self.batching {
+                        _ if self.plan.programs[a].decode_alone && !self.batch_bridges => {
+                            alone(i, a)
+                        }
+                        Batching::Batched => format!(
+                            "{i:06}:{}:{:?}:{question}",
+                            p.cache.len(),
+                            p.cache.segments(),
+                        ),
+                        Batching::Padded => question.to_string(),
+                        Batching::OneAtATime => format!("{i:06}:arm{a:06}"),
                     }
-                    Batching::Batched => format!(
-                        "{i:06}:{}:{:?}:{question}",
-                        p.cache.len(),
-                        p.cache.segments(),
-                    ),
-                    Batching::Padded => question.to_string(),
-                    Batching::OneAtATime => format!("{i:06}:arm{a:06}"),
-                };
+                })
+                .collect();
+            if self.batch_bridges {
+                keep_gates_together(&mut keys, &self.gated_by_anchor(), |a| alone(i, a));
+            }
+            for (a, key) in keys.into_iter().enumerate() {
                 groups.entry(key).or_default().push((i, a));
             }
         }
@@ -348,6 +380,20 @@ impl<'a> Runner<'a> {
 
     /// One item's outcomes with their per-item gates checked: arms that must
     /// equal an anchor bit for bit.
+    /// Each arm gated bit for bit against another arm (`expect = { arm }`),
+    /// by its anchor: positions in the plan's programs.
+    fn gated_by_anchor(&self) -> BTreeMap<usize, Vec<usize>> {
+        let mut out: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (g, p) in self.plan.programs.iter().enumerate() {
+            if let Some(Expect::Arm(name)) = &p.expect {
+                if let Some(x) = self.plan.programs.iter().position(|q| &q.name == name) {
+                    out.entry(x).or_default().push(g);
+                }
+            }
+        }
+        out
+    }
+
     fn check_gates(&self, mut out: Vec<ArmOutcome>) -> Result<Vec<ArmOutcome>> {
         for (a, program) in self.plan.programs.iter().enumerate() {
             if let Some(e) = &program.expect {
@@ -386,5 +432,25 @@ impl<'a> Runner<'a> {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gate_whose_arms_share_no_batch_decodes_alone() {
+        let alone = |a: usize| format!("alone{a}");
+        // Arm 0 anchors 1 and 2; arm 3 anchors 4. Arms 0-2 share a batch;
+        // 4 has another layout than its anchor 3.
+        let gated = BTreeMap::from([(0, vec![1, 2]), (3, vec![4])]);
+        let mut keys: Vec<String> = ["x", "x", "x", "y", "z", "y"].map(String::from).to_vec();
+        keep_gates_together(&mut keys, &gated, alone);
+        assert_eq!(keys, ["x", "x", "x", "alone3", "alone4", "y"]);
+        // One gated arm apart takes its anchor and the other gated arm out.
+        let mut keys: Vec<String> = ["x", "x", "w"].map(String::from).to_vec();
+        keep_gates_together(&mut keys, &BTreeMap::from([(0, vec![1, 2])]), alone);
+        assert_eq!(keys, ["alone0", "alone1", "alone2"]);
     }
 }

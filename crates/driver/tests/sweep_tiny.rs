@@ -2526,6 +2526,49 @@ fn a_sender_pool_appends_every_holder_and_its_bridge_trains_at_four() {
         }
     }
     assert_eq!(gated, 12);
+    // With bridges batched the gates hold too (a gated arm decodes in its
+    // anchor's batch, or both alone where their layouts differ), with fewer
+    // batches and the same continuations.
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let together = dir.path().join("together.toml");
+    std::fs::write(
+        &together,
+        text.replacen("cell_items = 3", "cell_items = 3\nbatch_bridges = true", 1),
+    )
+    .unwrap();
+    sweep::run(&together, &opts("b")).unwrap();
+    let b = dir.path().join("b");
+    let mut gated_b = 0;
+    for cell in std::fs::read_dir(b.join("items")).unwrap() {
+        let (names, rows) = rows(&cell.unwrap().path());
+        let arm = col(&names, &rows, "arm");
+        let exact = col(&names, &rows, "bit_exact");
+        for (i, a) in arm.iter().enumerate() {
+            if a == "pool_one" || a == "pool_bridged_init" {
+                assert_eq!(exact[i], "true", "batched: {a}, row {i}");
+                gated_b += 1;
+            }
+        }
+    }
+    assert_eq!(gated_b, 12);
+    let batches = |d: &Path| {
+        run_json(d)["invocations"][0]["decode_batches"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(
+        batches(&b) < batches(&out),
+        "{} against {}",
+        batches(&b),
+        batches(&out)
+    );
+    for a in [
+        "pool_bridged@source.pool.n=4",
+        "pool_one",
+        "pool_bridged_init",
+    ] {
+        assert_eq!(continuations(&b, a), continuations(&out, a), "{a}");
+    }
     for a in [
         "pool_raw@source.pool.n=4",
         "pool_bridged@source.pool.n=1",
