@@ -196,6 +196,7 @@ fn remembered_seed_runs(run_dir: &Path, interim: bool) -> Result<Vec<PathBuf>> {
         .canonicalize()
         .map_err(io(format!("resolving {}", run_dir.display())))?;
     let mut out: Vec<PathBuf> = Vec::new();
+    let mut seen = vec![here];
     for row in read_records::<SeedRow>(&read_parquet(&f)?)? {
         for d in row.run_dirs {
             let p = PathBuf::from(&d);
@@ -205,7 +206,8 @@ fn remembered_seed_runs(run_dir: &Path, interim: bool) -> Result<Vec<PathBuf>> {
                     f.display()
                 ))
             })?;
-            if resolved != here && !out.contains(&p) {
+            if !seen.contains(&resolved) {
+                seen.push(resolved);
                 out.push(p);
             }
         }
@@ -471,6 +473,28 @@ fn seeds_section(md: &mut String, rows: &[SeedRow], interim: bool) {
         "\n## Across seeds\n\nEach trained arm over the seeds its bridge was trained from, in this run and the runs combined with it (`{}`): the mean and sample SD of the seeds' accuracies, each seed's accuracy, and the bit-exact gate summed over seeds.\n",
         if interim { "seeds-interim.parquet" } else { "seeds.parquet" }
     );
+    if interim {
+        let _ = writeln!(
+            md,
+            "Interim: each run is read as far as it has got, so the seeds' figures may cover different items (n in brackets); the mean weighs the seeds equally.\n"
+        );
+    }
+    let mut ways: Vec<&str> = rows
+        .iter()
+        .flat_map(|r| r.batching.iter().map(String::as_str))
+        .collect();
+    ways.sort_unstable();
+    ways.dedup();
+    if ways.len() > 1 {
+        let _ = writeln!(
+            md,
+            "The runs batched their arms in different ways ({}; `batching` per seed in the file): the same arm rounds differently between them.\n",
+            ways.iter()
+                .map(|w| format!("`{w}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     let _ = writeln!(
         md,
         "| family | bridge | point | seeds | accuracy mean ± SD | each seed (n) | conditional mean | bit-exact |"

@@ -59,14 +59,25 @@ fn keep_gates_together(
     gated: &BTreeMap<usize, Vec<usize>>,
     alone: impl Fn(usize) -> String,
 ) {
-    for (&x, arms) in gated {
-        if arms.iter().any(|&g| keys[g] != keys[x]) {
-            tracing::debug!(
-                "arm {x} and the arms gated against it decode alone: their layouts differ"
-            );
-            for &a in arms.iter().chain([&x]) {
-                keys[a] = alone(a);
+    // Until nothing moves: an arm both gated and an anchor (a chain of
+    // gates) may be taken out after its own anchor was checked.
+    loop {
+        let mut moved = false;
+        for (&x, arms) in gated {
+            if arms.iter().any(|&g| keys[g] != keys[x]) {
+                tracing::debug!(
+                    "arm {x} and the arms gated against it decode alone: their layouts differ"
+                );
+                for &a in arms.iter().chain([&x]) {
+                    if keys[a] != alone(a) {
+                        keys[a] = alone(a);
+                        moved = true;
+                    }
+                }
             }
+        }
+        if !moved {
+            return;
         }
     }
 }
@@ -380,15 +391,21 @@ impl<'a> Runner<'a> {
 
     /// One item's outcomes with their per-item gates checked: arms that must
     /// equal an anchor bit for bit.
-    /// Each arm gated bit for bit against another arm (`expect = { arm }`),
-    /// by its anchor: positions in the plan's programs.
+    /// Each arm gated bit for bit against another (`expect = { arm }`, the
+    /// floor or the native reference), by its anchor: positions in the
+    /// plan's programs.
     fn gated_by_anchor(&self) -> BTreeMap<usize, Vec<usize>> {
         let mut out: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        let by_index = |index: usize| self.plan.programs.iter().position(|q| q.index == index);
         for (g, p) in self.plan.programs.iter().enumerate() {
-            if let Some(Expect::Arm(name)) = &p.expect {
-                if let Some(x) = self.plan.programs.iter().position(|q| &q.name == name) {
-                    out.entry(x).or_default().push(g);
-                }
+            let x = match &p.expect {
+                Some(Expect::Arm(name)) => self.plan.programs.iter().position(|q| &q.name == name),
+                Some(Expect::Floor) => by_index(self.plan.floor),
+                Some(Expect::Native) => by_index(self.plan.native),
+                None => None,
+            };
+            if let Some(x) = x {
+                out.entry(x).or_default().push(g);
             }
         }
         out
@@ -451,6 +468,14 @@ mod tests {
         // One gated arm apart takes its anchor and the other gated arm out.
         let mut keys: Vec<String> = ["x", "x", "w"].map(String::from).to_vec();
         keep_gates_together(&mut keys, &BTreeMap::from([(0, vec![1, 2])]), alone);
+        assert_eq!(keys, ["alone0", "alone1", "alone2"]);
+        // A chain: 0 anchors 1, 1 anchors 2; 2 apart takes 1 out, and so 0.
+        let mut keys: Vec<String> = ["x", "x", "y"].map(String::from).to_vec();
+        keep_gates_together(
+            &mut keys,
+            &BTreeMap::from([(0, vec![1]), (1, vec![2])]),
+            alone,
+        );
         assert_eq!(keys, ["alone0", "alone1", "alone2"]);
     }
 }

@@ -1848,17 +1848,43 @@ fn a_trained_arm_combines_across_seed_runs() {
     let model = tiny(dir.path());
     let s0 = bridge_config(dir.path(), &model, 1);
     let text = std::fs::read_to_string(&s0).unwrap();
+    // Seed 1 with its bridges batched: another way of batching, recorded.
     let s1 = dir.path().join("seed1.toml");
-    std::fs::write(&s1, text.replacen("lr = 0.01", "lr = 0.01\nseed = 1", 1)).unwrap();
+    std::fs::write(
+        &s1,
+        text.replacen("lr = 0.01", "lr = 0.01\nseed = 1", 1)
+            .replacen("cell_items = 2", "cell_items = 2\nbatch_bridges = true", 1),
+    )
+    .unwrap();
     let other_items = dir.path().join("n2.toml");
     std::fs::write(&other_items, text.replacen("n = 3", "n = 2", 1)).unwrap();
+    let other_tokens = dir.path().join("tokens.toml");
+    std::fs::write(
+        &other_tokens,
+        text.replacen("new_tokens = 3", "new_tokens = 2", 1)
+            .replacen("lr = 0.01", "lr = 0.01\nseed = 2", 1),
+    )
+    .unwrap();
+    let other_rank = dir.path().join("rank.toml");
+    std::fs::write(
+        &other_rank,
+        text.replacen("rank = 4", "rank = 2", 1)
+            .replacen("lr = 0.01", "lr = 0.01\nseed = 2", 1),
+    )
+    .unwrap();
     let cache = dir.path().join("resources");
     let opts = |out: &str| SweepOptions {
         out: Some(dir.path().join(out)),
         resource_root: Some(cache.clone()),
         ..Default::default()
     };
-    for (cfg, out) in [(&s0, "a"), (&s1, "b"), (&other_items, "c")] {
+    for (cfg, out) in [
+        (&s0, "a"),
+        (&s1, "b"),
+        (&other_items, "c"),
+        (&other_tokens, "d"),
+        (&other_rank, "e"),
+    ] {
         sweep::run(cfg, &opts(out)).unwrap();
     }
     let (a, b, c) = (
@@ -1900,7 +1926,18 @@ fn a_trained_arm_combines_across_seed_runs() {
         assert!((r.accuracy_mean - (x + y) / 2.0).abs() < 1e-12);
         assert!((r.accuracy_sd.unwrap() - (x - y).abs() / 2f64.sqrt()).abs() < 1e-12);
         assert_eq!(r.run_dirs[1], b.display().to_string());
+        assert!(
+            !r.batching[0].contains("bridges batched"),
+            "{:?}",
+            r.batching
+        );
+        assert!(
+            r.batching[1].contains("bridges batched"),
+            "{:?}",
+            r.batching
+        );
     }
+    assert!(md.contains("batched their arms in different ways"), "{md}");
     assert_eq!(combined[1].bit_exact_items, Some(6));
     assert_eq!(combined[0].bit_exact_items, None);
     // An independent reader sees the lists.
@@ -1922,6 +1959,14 @@ fn a_trained_arm_combines_across_seed_runs() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("do not share their evaluation items"), "{e}");
+    let e = write_with(&a, false, &[], &[dir.path().join("d")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("do not share their run settings"), "{e}");
+    let e = write_with(&a, false, &[], &[dir.path().join("e")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("differ in more than their seed"), "{e}");
     assert_eq!(std::fs::read(a.join("seeds.parquet")).unwrap(), before);
 
     // A run in progress: refused by a finished report, read as far as it

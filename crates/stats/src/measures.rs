@@ -97,12 +97,15 @@ pub fn spread(x: &[f64]) -> Result<Spread> {
 /// sample standard deviation (divisor n − 1) over the square root of their
 /// number. Needs at least two values.
 pub fn mean_standard_error(x: &[f64]) -> Result<f64> {
-    match spread(x)? {
-        Spread {
-            n, sd: Some(sd), ..
-        } => Ok(sd / (n as f64).sqrt()),
-        _ => Err(StatsError::Empty("sample of at least two values")),
+    // sqrt(var / n), not spread's sd / sqrt(n): the two can differ in the
+    // last bit, and recorded measurements must reproduce exactly.
+    if x.len() < 2 {
+        return Err(StatsError::Empty("sample of at least two values"));
     }
+    let n = x.len() as f64;
+    let mean = x.iter().sum::<f64>() / n;
+    let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    Ok((var / n).sqrt())
 }
 
 /// log softmax of logits, in f64.

@@ -5,7 +5,10 @@
 //! every seed of the runs combined: each seed's accuracy, their mean and
 //! sample standard deviation (`tolerable-stats`' spread of replicates), and
 //! the zero-init gate's bit-exact count summed over seeds. Runs combine only
-//! when they share the model (its sha256) and the evaluation items.
+//! when they share the model (its sha256), the evaluation items and the
+//! run settings that shape an answer (template, tokens, precision, seed),
+//! and a bridge's seeds only when its spec is otherwise the same; how each
+//! run batched its arms (which changes float rounding only) is recorded.
 
 use super::SummaryRow;
 use crate::error::{DriverError, Result};
@@ -20,7 +23,7 @@ record! {
     pub struct SeedRow {
         /// The arm's name before grid expansion (`bridged`).
         pub family: String,
-        /// The bridge family: the resource the arm reads, before any `@seed=` suffix (`lora_q`).
+        /// The bridge family: the resource the arm reads, without its `seed` grid axis (`lora_q`).
         pub bridge: String,
         /// The arm's grid point as JSON with typed values, the bridge resource left out.
         pub point: String,
@@ -34,6 +37,8 @@ record! {
         pub run_dirs: Vec<String>,
         /// The arm at each seed, with its grid point.
         pub arms: Vec<String>,
+        /// How that run batched its arms (run.json's `batching`; float rounding differs between ways).
+        pub batching: Vec<String>,
         /// Items scored at each seed.
         pub n_items: Vec<i64>,
         /// Accuracy at each seed.
@@ -63,14 +68,70 @@ pub struct SeedRun<'a> {
     pub rows: &'a [SummaryRow],
 }
 
-/// The bridge family of a resource name: `lora_q@seed=1` → `lora_q`.
-pub fn bridge_family(resource: &str) -> &str {
-    resource.split_once("@seed=").map_or(resource, |(b, _)| b)
+/// The bridge family of a resource name, its `seed` grid axis dropped:
+/// `lora_q@seed=1` → `lora_q`, `lora@seed=1,targets=q` → `lora@targets=q`.
+pub fn bridge_family(resource: &str) -> String {
+    let Some((base, axes)) = resource.split_once('@') else {
+        return resource.to_string();
+    };
+    let rest: Vec<&str> = axes
+        .split(',')
+        .filter(|a| !a.starts_with("seed="))
+        .collect();
+    if rest.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}@{}", rest.join(","))
+    }
+}
+
+/// Run settings that do not shape an answer: the name, the cell size, and
+/// the ways of batching (float rounding only; recorded per seed instead).
+const NOT_COMPARED: [&str; 5] = [
+    "name",
+    "cell_items",
+    "batch_bridges",
+    "item_batch",
+    "row_kernel",
+];
+
+/// A run's settings that must agree across the runs combined.
+fn compared_settings(meta: &serde_json::Value) -> serde_json::Value {
+    let mut run = meta["config"]["run"].clone();
+    if let Some(m) = run.as_object_mut() {
+        for k in NOT_COMPARED {
+            m.remove(k);
+        }
+    }
+    run
+}
+
+/// How a run batched its arms, over its invocations.
+fn batching_of(meta: &serde_json::Value) -> String {
+    let mut ways: Vec<String> = Vec::new();
+    for i in meta["invocations"].as_array().into_iter().flatten() {
+        if let Some(b) = i["batching"].as_str() {
+            if !ways.iter().any(|w| w == b) {
+                ways.push(b.to_string());
+            }
+        }
+    }
+    ways.join(" | ")
+}
+
+/// A bridge's spec without its seed.
+fn spec_but_seed(spec: &serde_json::Value) -> serde_json::Value {
+    let mut s = spec.clone();
+    if let Some(m) = s.as_object_mut() {
+        m.remove("seed");
+    }
+    s
 }
 
 /// One seed's figures of one arm.
 struct Seeded<'a> {
     seed: i64,
+    spec: serde_json::Value,
     run: &'a SeedRun<'a>,
     row: &'a SummaryRow,
 }
@@ -97,6 +158,11 @@ pub fn seed_rows(runs: &[SeedRun]) -> Result<Vec<SeedRow>> {
                 &first.meta["data"]["item_ids"],
                 &r.meta["data"]["item_ids"],
             ),
+            (
+                "run settings (template, tokens, precision, seed)",
+                &compared_settings(first.meta),
+                &compared_settings(r.meta),
+            ),
         ] {
             if a != b || a.is_null() {
                 return Err(DriverError::Records(format!(
@@ -119,20 +185,24 @@ pub fn seed_rows(runs: &[SeedRun]) -> Result<Vec<SeedRow>> {
             let Some(resource) = arm["bridge"]["resource"].as_str() else {
                 continue;
             };
-            let seed = run.meta["resources"][resource]["spec"]["seed"]
-                .as_i64()
-                .ok_or_else(|| {
+            let spec = &run.meta["resources"][resource]["spec"];
+            let seed = spec["seed"].as_i64().ok_or_else(|| {
+                DriverError::Records(format!(
+                    "{}: arm `{}` reads bridge `{resource}`, whose spec in run.json has no seed",
+                    run.dir, row.arm.arm
+                ))
+            })?;
+            let mut point: BTreeMap<String, serde_json::Value> =
+                serde_json::from_str(&row.arm.point).map_err(|e| {
                     DriverError::Records(format!(
-                        "{}: arm `{}` reads bridge `{resource}`, whose spec in run.json has no seed",
+                        "{}: arm `{}` has an unreadable grid point ({e})",
                         run.dir, row.arm.arm
                     ))
                 })?;
-            let mut point: BTreeMap<String, serde_json::Value> =
-                serde_json::from_str(&row.arm.point).unwrap_or_default();
             point.remove("bridge.resource");
             let key = (
                 row.arm.family.clone(),
-                bridge_family(resource).to_string(),
+                bridge_family(resource),
                 serde_json::to_string(&point).expect("a JSON map serialises"),
             );
             let group = groups.entry(key.clone()).or_default();
@@ -142,10 +212,23 @@ pub fn seed_rows(runs: &[SeedRun]) -> Result<Vec<SeedRow>> {
                     other.row.arm.arm, other.run.dir, row.arm.arm, run.dir
                 )));
             }
+            if let Some(other) = group.first() {
+                if spec_but_seed(&other.spec) != spec_but_seed(spec) {
+                    return Err(DriverError::Records(format!(
+                        "arm `{}` of {} and arm `{}` of {} read bridges that differ in more than their seed: their specs must agree but for it",
+                        other.row.arm.arm, other.run.dir, row.arm.arm, run.dir
+                    )));
+                }
+            }
             if group.is_empty() {
                 keys.push(key);
             }
-            group.push(Seeded { seed, run, row });
+            group.push(Seeded {
+                seed,
+                spec: spec.clone(),
+                run,
+                row,
+            });
         }
     }
     let mut out = Vec::with_capacity(keys.len());
@@ -166,6 +249,7 @@ pub fn seed_rows(runs: &[SeedRun]) -> Result<Vec<SeedRow>> {
             runs: g.iter().map(|s| s.row.arm.run.clone()).collect(),
             run_dirs: g.iter().map(|s| s.run.dir.to_string()).collect(),
             arms: g.iter().map(|s| s.row.arm.arm.clone()).collect(),
+            batching: g.iter().map(|s| batching_of(s.run.meta)).collect(),
             n_items: g.iter().map(|s| s.row.n_items).collect(),
             accuracy: acc,
             accuracy_mean: s.mean,
@@ -179,4 +263,18 @@ pub fn seed_rows(runs: &[SeedRun]) -> Result<Vec<SeedRow>> {
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bridge_family;
+
+    #[test]
+    fn a_bridge_family_drops_the_seed_axis_only() {
+        assert_eq!(bridge_family("lora_q"), "lora_q");
+        assert_eq!(bridge_family("lora_q@seed=1"), "lora_q");
+        assert_eq!(bridge_family("lora@seed=1,targets=q"), "lora@targets=q");
+        assert_eq!(bridge_family("lora@alpha=8,seed=2"), "lora@alpha=8");
+        assert_eq!(bridge_family("lora@alpha=8"), "lora@alpha=8");
+    }
 }
