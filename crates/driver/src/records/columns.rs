@@ -107,98 +107,39 @@ leaf!(
     |c| c.bool()?.iter().collect(),
     absent = None
 );
-leaf!(
-    Vec<u32>,
-    "list<uint32>",
-    |n, v| {
-        let s: Vec<Series> = v.iter().map(|x| Series::new("".into(), x)).collect();
-        Column::new(n.into(), s)
-    },
-    |c| {
-        let lc = c.list()?;
-        let mut out = Vec::with_capacity(lc.len());
-        for i in 0..lc.len() {
-            out.push(match lc.get_as_series(i) {
-                Some(s) => s
-                    .u32()?
-                    .iter()
-                    .map(|x| required(x, c.name()))
-                    .collect::<PolarsResult<_>>()?,
-                None => required(None, c.name())?,
-            });
-        }
-        out
-    }
-);
-leaf!(
-    Vec<i64>,
-    "list<int64>",
-    |n, v| {
-        let s: Vec<Series> = v.iter().map(|x| Series::new("".into(), x)).collect();
-        Column::new(n.into(), s)
-    },
-    |c| {
-        let lc = c.list()?;
-        let mut out = Vec::with_capacity(lc.len());
-        for i in 0..lc.len() {
-            out.push(match lc.get_as_series(i) {
-                Some(s) => s
-                    .i64()?
-                    .iter()
-                    .map(|x| required(x, c.name()))
-                    .collect::<PolarsResult<_>>()?,
-                None => required(None, c.name())?,
-            });
-        }
-        out
-    }
-);
-leaf!(
-    Vec<f64>,
-    "list<double>",
-    |n, v| {
-        let s: Vec<Series> = v.iter().map(|x| Series::new("".into(), x)).collect();
-        Column::new(n.into(), s)
-    },
-    |c| {
-        let lc = c.list()?;
-        let mut out = Vec::with_capacity(lc.len());
-        for i in 0..lc.len() {
-            out.push(match lc.get_as_series(i) {
-                Some(s) => s
-                    .f64()?
-                    .iter()
-                    .map(|x| required(x, c.name()))
-                    .collect::<PolarsResult<_>>()?,
-                None => required(None, c.name())?,
-            });
-        }
-        out
-    }
-);
-leaf!(
-    Vec<String>,
-    "list<string>",
-    |n, v| {
-        let s: Vec<Series> = v.iter().map(|x| Series::new("".into(), x)).collect();
-        Column::new(n.into(), s)
-    },
-    |c| {
-        let lc = c.list()?;
-        let mut out = Vec::with_capacity(lc.len());
-        for i in 0..lc.len() {
-            out.push(match lc.get_as_series(i) {
-                Some(s) => s
-                    .str()?
-                    .iter()
-                    .map(|v| required(v, c.name()).map(String::from))
-                    .collect::<PolarsResult<_>>()?,
-                None => required(None, c.name())?,
-            });
-        }
-        out
-    }
-);
+/// A list column of one element type: `$get` reads the element series'
+/// values (a polars accessor), `$own` makes each an owned value.
+macro_rules! list_leaf {
+    ($ty:ty, $arrow:literal, $get:ident, |$x:ident| $own:expr) => {
+        leaf!(
+            Vec<$ty>,
+            $arrow,
+            |n, v| {
+                let s: Vec<Series> = v.iter().map(|x| Series::new("".into(), x)).collect();
+                Column::new(n.into(), s)
+            },
+            |c| {
+                let lc = c.list()?;
+                let mut out = Vec::with_capacity(lc.len());
+                for i in 0..lc.len() {
+                    out.push(match lc.get_as_series(i) {
+                        Some(s) => s
+                            .$get()?
+                            .iter()
+                            .map(|$x| required($x, c.name()).map(|$x| $own))
+                            .collect::<PolarsResult<_>>()?,
+                        None => required(None, c.name())?,
+                    });
+                }
+                out
+            }
+        );
+    };
+}
+list_leaf!(u32, "list<uint32>", u32, |x| x);
+list_leaf!(i64, "list<int64>", i64, |x| x);
+list_leaf!(f64, "list<double>", f64, |x| x);
+list_leaf!(String, "list<string>", str, |x| String::from(x));
 
 /// Values measured per injection site: the site's hook name
 /// (`blocks.3.attn.hook_rot_k`, `blocks.3.attn.hook_v`,
