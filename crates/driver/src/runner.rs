@@ -10,7 +10,7 @@ use crate::cross::{CrossHolder, ForeignCx};
 use crate::error::Result;
 use crate::exec::{prepare, ItemCx, Measures, Prepared};
 use crate::passes::item_passes_with;
-use crate::plan::Plan;
+use crate::plan::{ArmProgram, Plan};
 use crate::resources::Value;
 use crate::transforms::Memo;
 use candle_core::Tensor;
@@ -241,6 +241,11 @@ impl<'a> Runner<'a> {
         // where their caches share a layout, and the anchor and all its
         // gated arms decode alone where one of them does not).
         let alone = |i: usize, a: usize| format!("{i:06}:alone{a:06}");
+        let gated = if self.batch_bridges {
+            self.gated_by_anchor()?
+        } else {
+            BTreeMap::new()
+        };
         let mut groups: BTreeMap<String, Vec<(usize, usize)>> = BTreeMap::new();
         for (i, (prepared, _)) in items.iter().enumerate() {
             let mut keys: Vec<String> = prepared
@@ -267,7 +272,7 @@ impl<'a> Runner<'a> {
                 })
                 .collect();
             if self.batch_bridges {
-                keep_gates_together(&mut keys, &self.gated_by_anchor(), |a| alone(i, a));
+                keep_gates_together(&mut keys, &gated, |a| alone(i, a));
             }
             for (a, key) in keys.into_iter().enumerate() {
                 groups.entry(key).or_default().push((i, a));
@@ -389,60 +394,60 @@ impl<'a> Runner<'a> {
         Ok((prepared, timing))
     }
 
-    /// One item's outcomes with their per-item gates checked: arms that must
-    /// equal an anchor bit for bit.
-    /// Each arm gated bit for bit against another (`expect = { arm }`, the
-    /// floor or the native reference), by its anchor: positions in the
-    /// plan's programs.
-    fn gated_by_anchor(&self) -> BTreeMap<usize, Vec<usize>> {
+    /// The position among the plan's programs of the anchor `program` is
+    /// gated against bit for bit (`expect = { arm }`, the floor or the
+    /// native reference); none for an arm without a gate. Programs are
+    /// looked up by their arm's index: a plan may run a subset of the
+    /// config's arms.
+    fn gate_anchor(&self, program: &ArmProgram) -> Result<Option<usize>> {
+        let anchor = match &program.expect {
+            None => return Ok(None),
+            Some(Expect::Floor) => self.plan.floor,
+            Some(Expect::Native) => self.plan.native,
+            Some(Expect::Arm(name)) => self
+                .plan
+                .programs
+                .iter()
+                .find(|p| &p.name == name)
+                .map(|p| p.index)
+                .ok_or_else(|| {
+                    crate::error::DriverError::Records(format!(
+                        "arm `{}` is gated against `{name}`, which this plan does not run",
+                        program.name
+                    ))
+                })?,
+        };
+        let r = self
+            .plan
+            .programs
+            .iter()
+            .position(|p| p.index == anchor)
+            .ok_or_else(|| {
+                crate::error::DriverError::Records(format!(
+                    "arm `{}` is gated against an anchor this plan does not run",
+                    program.name
+                ))
+            })?;
+        Ok(Some(r))
+    }
+
+    /// Each gated arm by its anchor ([`Runner::gate_anchor`]): positions in
+    /// the plan's programs.
+    fn gated_by_anchor(&self) -> Result<BTreeMap<usize, Vec<usize>>> {
         let mut out: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        let by_index = |index: usize| self.plan.programs.iter().position(|q| q.index == index);
         for (g, p) in self.plan.programs.iter().enumerate() {
-            let x = match &p.expect {
-                Some(Expect::Arm(name)) => self.plan.programs.iter().position(|q| &q.name == name),
-                Some(Expect::Floor) => by_index(self.plan.floor),
-                Some(Expect::Native) => by_index(self.plan.native),
-                None => None,
-            };
-            if let Some(x) = x {
+            if let Some(x) = self.gate_anchor(p)? {
                 out.entry(x).or_default().push(g);
             }
         }
-        out
+        Ok(out)
     }
 
+    /// One item's outcomes with their per-item gates checked: arms that must
+    /// equal an anchor bit for bit.
     fn check_gates(&self, mut out: Vec<ArmOutcome>) -> Result<Vec<ArmOutcome>> {
         for (a, program) in self.plan.programs.iter().enumerate() {
-            if let Some(e) = &program.expect {
-                let anchor = match e {
-                    Expect::Floor => self.plan.floor,
-                    Expect::Native => self.plan.native,
-                    Expect::Arm(name) => self
-                        .plan
-                        .programs
-                        .iter()
-                        .find(|p| &p.name == name)
-                        .map(|p| p.index)
-                        .ok_or_else(|| {
-                            crate::error::DriverError::Records(format!(
-                                "arm `{}` is gated against `{name}`, which this plan does not run",
-                                program.name
-                            ))
-                        })?,
-                };
-                // Programs are looked up by their arm's index: a plan may run
-                // a subset of the config's arms.
-                let r = self
-                    .plan
-                    .programs
-                    .iter()
-                    .position(|p| p.index == anchor)
-                    .ok_or_else(|| {
-                        crate::error::DriverError::Records(format!(
-                            "arm `{}` is gated against an anchor this plan does not run",
-                            program.name
-                        ))
-                    })?;
+            if let Some(r) = self.gate_anchor(program)? {
                 let same = out[a].tokens == out[r].tokens
                     && bit_equal(&out[a].first_logits, &out[r].first_logits)?;
                 out[a].bit_exact = Some(same);
