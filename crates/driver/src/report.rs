@@ -150,13 +150,24 @@ fn remove_interim(run_dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// A table a report derives (`pairs`, `seeds`): `<stem>.parquet`, or
+/// `<stem>-interim.parquet` for an interim report.
+fn derived_file(run_dir: &Path, stem: &str, interim: bool) -> PathBuf {
+    run_dir.join(derived_name(stem, interim))
+}
+
+/// The file name of [`derived_file`].
+fn derived_name(stem: &str, interim: bool) -> String {
+    if interim {
+        format!("{stem}-interim.parquet")
+    } else {
+        format!("{stem}.parquet")
+    }
+}
+
 /// The pairs file of a report.
 fn pairs_file(run_dir: &Path, interim: bool) -> PathBuf {
-    run_dir.join(if interim {
-        "pairs-interim.parquet"
-    } else {
-        "pairs.parquet"
-    })
+    derived_file(run_dir, "pairs", interim)
 }
 
 /// The family pairs an earlier report compared: its own pairs file, else
@@ -176,11 +187,7 @@ fn remembered_pairs(run_dir: &Path, interim: bool) -> Result<Vec<FamilyPair>> {
 
 /// The seeds file of a report.
 fn seeds_file(run_dir: &Path, interim: bool) -> PathBuf {
-    run_dir.join(if interim {
-        "seeds-interim.parquet"
-    } else {
-        "seeds.parquet"
-    })
+    derived_file(run_dir, "seeds", interim)
 }
 
 /// The other runs an earlier report of the same kind (interim or finished)
@@ -436,7 +443,7 @@ fn paired_section(md: &mut String, rows: &[PairRow], interim: bool) {
     let _ = writeln!(
         md,
         "\n## Paired comparisons\n\nEach arm of a named family against the other family's arm at the same grid point, over the items both scored (`{}`): the difference with its 95% interval (SE of two independent proportions, as the lift above), items gained / lost, exact McNemar p.\n",
-        if interim { "pairs-interim.parquet" } else { "pairs.parquet" }
+        derived_name("pairs", interim)
     );
     let _ = writeln!(
         md,
@@ -471,7 +478,7 @@ fn seeds_section(md: &mut String, rows: &[SeedRow], interim: bool) {
     let _ = writeln!(
         md,
         "\n## Across seeds\n\nEach trained arm over the seeds its bridge was trained from, in this run and the runs combined with it (`{}`): the mean and sample SD of the seeds' accuracies, each seed's accuracy, and the bit-exact gate summed over seeds.\n",
-        if interim { "seeds-interim.parquet" } else { "seeds.parquet" }
+        derived_name("seeds", interim)
     );
     if interim {
         let _ = writeln!(
