@@ -1823,14 +1823,10 @@ fn bridges_batched_decode_together_and_keep_their_gate() {
         assert_eq!(c.len(), 3);
         assert_eq!(c, continuations(&dir.path().join("alone"), arm), "{arm}");
     }
-    for cell in std::fs::read_dir(dir.path().join("together/items")).unwrap() {
-        let (names, rows) = rows(&cell.unwrap().path());
-        let arm = col(&names, &rows, "arm");
-        let exact = col(&names, &rows, "bit_exact");
-        for i in (0..arm.len()).filter(|&i| arm[i] == "kv_bridge_init") {
-            assert_eq!(exact[i], "true", "row {i}");
-        }
-    }
+    assert_eq!(
+        gated_rows_exact(&dir.path().join("together"), &["kv_bridge_init"]),
+        3
+    );
 }
 
 /// A trained arm combines across runs of the same bridges trained from
@@ -1989,6 +1985,25 @@ fn a_trained_arm_combines_across_seed_runs() {
     tolerable_driver::report::write(&a).unwrap();
     assert!(!a.join("seeds-interim.parquet").exists());
     assert_eq!(seeds_of(&a, "seeds.parquet"), combined);
+}
+
+/// Asserts that every row of the `gated` arms, over every cell of a run,
+/// passed its bit-exact gate; returns how many rows were checked.
+fn gated_rows_exact(out: &Path, gated: &[&str]) -> usize {
+    let mut checked = 0;
+    for cell in std::fs::read_dir(out.join("items")).unwrap() {
+        let path = cell.unwrap().path();
+        let (names, rows) = rows(&path);
+        let arm = col(&names, &rows, "arm");
+        let exact = col(&names, &rows, "bit_exact");
+        for (i, a) in arm.iter().enumerate() {
+            if gated.contains(&a.as_str()) {
+                assert_eq!(exact[i], "true", "{}: {a}, row {i}", path.display());
+                checked += 1;
+            }
+        }
+    }
+    checked
 }
 
 /// The continuations of `arm` per item, over every cell of a run.
@@ -2558,19 +2573,10 @@ fn a_sender_pool_appends_every_holder_and_its_bridge_trains_at_four() {
     assert_eq!(r["obtained"], "built", "{r}");
     // The gates: a pool of one is KV augmentation; the bridge before
     // training is the raw pool of four.
-    let mut gated = 0;
-    for cell in std::fs::read_dir(out.join("items")).unwrap() {
-        let (names, rows) = rows(&cell.unwrap().path());
-        let arm = col(&names, &rows, "arm");
-        let exact = col(&names, &rows, "bit_exact");
-        for (i, a) in arm.iter().enumerate() {
-            if a == "pool_one" || a == "pool_bridged_init" {
-                assert_eq!(exact[i], "true", "{a}, row {i}");
-                gated += 1;
-            }
-        }
-    }
-    assert_eq!(gated, 12);
+    assert_eq!(
+        gated_rows_exact(&out, &["pool_one", "pool_bridged_init"]),
+        12
+    );
     // With bridges batched the gates hold too (a gated arm decodes in its
     // anchor's batch, or both alone where their layouts differ), with fewer
     // batches and the same continuations.
@@ -2583,19 +2589,7 @@ fn a_sender_pool_appends_every_holder_and_its_bridge_trains_at_four() {
     .unwrap();
     sweep::run(&together, &opts("b")).unwrap();
     let b = dir.path().join("b");
-    let mut gated_b = 0;
-    for cell in std::fs::read_dir(b.join("items")).unwrap() {
-        let (names, rows) = rows(&cell.unwrap().path());
-        let arm = col(&names, &rows, "arm");
-        let exact = col(&names, &rows, "bit_exact");
-        for (i, a) in arm.iter().enumerate() {
-            if a == "pool_one" || a == "pool_bridged_init" {
-                assert_eq!(exact[i], "true", "batched: {a}, row {i}");
-                gated_b += 1;
-            }
-        }
-    }
-    assert_eq!(gated_b, 12);
+    assert_eq!(gated_rows_exact(&b, &["pool_one", "pool_bridged_init"]), 12);
     let batches = |d: &Path| {
         run_json(d)["invocations"][0]["decode_batches"]
             .as_u64()
