@@ -322,6 +322,8 @@ pub fn build_fresh(
         deps: &deps,
         holders: &BTreeMap::new(),
         scratch: &Default::default(),
+        // A benchmark times whole builds: no resume.
+        progress: None,
     };
     let t = Instant::now();
     let train = kind.training_items(&cx.train)?;

@@ -461,6 +461,7 @@ pub fn obtain_resources(
                         deps: &values,
                         holders,
                         scratch: &scratch,
+                        progress: Some(store.progress_file(kind.kind(), hash)),
                     };
                     let t0 = Instant::now();
                     let v = kind.build(&cx, &r.items)?;
@@ -477,6 +478,13 @@ pub fn obtain_resources(
                             build_seconds: secs,
                         },
                     )?;
+                    // Saved: the training progress is no longer needed.
+                    let progress = store.progress_file(kind.kind(), hash);
+                    if progress.exists() {
+                        if let Err(e) = std::fs::remove_file(&progress) {
+                            tracing::warn!("removing {}: {e}", progress.display());
+                        }
+                    }
                     tracing::info!("resource `{name}` built in {secs:.1} s ({hash})");
                     (v, obtained, secs, rejected, sum)
                 }

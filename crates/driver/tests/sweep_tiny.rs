@@ -1667,6 +1667,112 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
     }
 }
 
+/// A bridge whose training was cut short resumes from the progress file
+/// the sweep keeps beside the resource cache: a sweep that finds the
+/// progress of a finished last epoch trains nothing more and keeps that
+/// file's kept parameters; the file is removed once the bridge is saved;
+/// a corrupt one is set aside and the bridge trained from the start.
+#[test]
+fn a_bridge_build_resumes_from_its_progress_file() {
+    use candle_core::{Device, Tensor};
+    use tolerable_driver::resources::optim::AdamState;
+    use tolerable_driver::resources::progress::Progress;
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let cfg = bridge_config(dir.path(), &model, 2);
+    let cache = dir.path().join("resources");
+    let opts = |out: &str| SweepOptions {
+        out: Some(dir.path().join(out)),
+        resource_root: Some(cache.clone()),
+        ..Default::default()
+    };
+    sweep::run(&cfg, &opts("a")).unwrap();
+    let meta = |out: &str| -> serde_json::Value {
+        serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join(out).join("run.json")).unwrap(),
+        )
+        .unwrap()
+    };
+    let qb = meta("a")["resources"]["qb"].clone();
+    let hash = qb["hash"].as_str().unwrap().to_string();
+    let folder = cache.join(format!("bridge-{hash}"));
+    let progress = cache.join(format!("bridge-{hash}.progress.safetensors"));
+    assert!(folder.join("meta.json").exists());
+    assert!(!progress.exists(), "the progress outlived the saved bridge");
+    // The trained value's A and B per layer, in training order.
+    let value =
+        candle_core::safetensors::load(folder.join("value.safetensors"), &Device::Cpu).unwrap();
+    let mut layers: Vec<usize> = value
+        .keys()
+        .filter_map(|k| {
+            k.strip_prefix("trained.")?
+                .strip_suffix(".q.a")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    layers.sort();
+    assert!(!layers.is_empty());
+    let trained: Vec<Tensor> = layers
+        .iter()
+        .flat_map(|l| ["a", "b"].map(|w| value[&format!("trained.{l}.q.{w}")].clone()))
+        .collect();
+    // The progress of a training that finished its two epochs but was
+    // killed before saving, with kept parameters of its own.
+    let kept: Vec<Tensor> = trained.iter().map(|t| (t * 2.0).unwrap()).collect();
+    let zeros: Vec<Tensor> = trained.iter().map(|t| t.zeros_like().unwrap()).collect();
+    let curve = vec![
+        [0.0, f64::NAN, 2.0, 0.0],
+        [1.0, 1.5, 1.0, 0.5],
+        [2.0, 1.2, 1.1, 0.5],
+    ];
+    let planted = Progress {
+        epoch: 2,
+        params: trained.clone(),
+        adam: AdamState {
+            first: zeros.clone(),
+            second: zeros,
+            step_t: 8,
+        },
+        kept: Some(kept.clone()),
+        curve: curve.clone(),
+        best_epoch: 1,
+    };
+    std::fs::remove_dir_all(&folder).unwrap();
+    planted.save(&progress).unwrap();
+    sweep::run(&cfg, &opts("b")).unwrap();
+    let b = meta("b")["resources"]["qb"].clone();
+    assert_eq!(b["obtained"], "built");
+    assert_eq!(b["summary"]["best_epoch"], 1);
+    assert!(!progress.exists(), "the progress outlived the saved bridge");
+    let value =
+        candle_core::safetensors::load(folder.join("value.safetensors"), &Device::Cpu).unwrap();
+    for (i, l) in layers.iter().enumerate() {
+        for (j, w) in ["a", "b"].iter().enumerate() {
+            let got = value[&format!("trained.{l}.q.{w}")]
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let want = kept[2 * i + j]
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert_eq!(got, want, "layer {l} {w}");
+        }
+    }
+    // A corrupt progress file: trained from the start, as the first run.
+    std::fs::remove_dir_all(&folder).unwrap();
+    std::fs::write(&progress, b"cut off mid-write").unwrap();
+    sweep::run(&cfg, &opts("c")).unwrap();
+    let c = meta("c")["resources"]["qb"].clone();
+    assert_eq!(c["obtained"], "built");
+    assert_eq!(c["value_sha256"], qb["value_sha256"]);
+    assert_eq!(c["summary"], qb["summary"]);
+    assert!(!progress.exists());
+}
+
 /// The zero-init gate holds when the anchor shares its cache layout with a
 /// third arm: a twin of the raw arm would batch with it (two rows, gemm's
 /// path) while the zero-init arm, with its own question-side spec, runs

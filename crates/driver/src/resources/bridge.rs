@@ -39,12 +39,12 @@
 //! curve (epoch, mean training loss, slice loss, slice first-token
 //! accuracy), which `run.json` records.
 
+use super::progress::Progress;
 use super::{sample_training, BuildCx, ResourceKind, ResourceSpec, TrainCx, Value};
 use crate::arm::{Arm, Base, BridgeTargets, Injection, PoolSpec, Router, Source as SourceSpec};
 use crate::config::{DataSection, DataSource, PlannedArm, SweepConfig};
 use crate::error::{DriverError, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::Optimizer;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -628,7 +628,10 @@ struct Trained<S> {
 /// examples per step (the last step of an epoch takes what is left) in a
 /// seeded order, the slice scored before the first step and after each
 /// epoch, the best epoch (slice accuracy, then loss) kept; a non-finite
-/// loss stops training.
+/// loss stops training. With `progress`, each finished epoch is saved
+/// there and a training that finds a usable file resumes after its epoch
+/// (the same bits as one uninterrupted run).
+#[allow(clippy::too_many_arguments)]
 fn train_loop<S: Clone>(
     spec: &BridgeSpec,
     field: &str,
@@ -637,9 +640,10 @@ fn train_loop<S: Clone>(
     snapshot: &dyn Fn() -> Result<S>,
     step_loss: &dyn Fn(&[usize]) -> Result<Tensor>,
     slice: &dyn Fn(&S) -> Result<(f64, f64)>,
+    progress: Option<&Path>,
 ) -> Result<Trained<S>> {
-    let mut opt = candle_nn::AdamW::new(
-        params,
+    let mut opt = super::optim::AdamW::new(
+        params.clone(),
         candle_nn::ParamsAdamW {
             lr: spec.lr,
             weight_decay: spec.weight_decay,
@@ -647,16 +651,70 @@ fn train_loop<S: Clone>(
         },
     )?;
     let init = snapshot()?;
-    let (l0, a0) = slice(&init)?;
-    let mut curve = vec![[0.0, f64::NAN, l0, a0]];
-    let (mut best, mut best_epoch, mut kept) = ((a0, -l0), 0usize, init.clone());
-    tracing::info!("{field}: epoch 0 (initial): slice loss {l0:.3}, first-token accuracy {a0:.3}");
     let mut order: Vec<usize> = (0..n_train).collect();
+    let set_all = |values: &[Tensor]| -> Result<()> {
+        for (v, t) in params.iter().zip(values) {
+            v.set(t)?;
+        }
+        Ok(())
+    };
+    let copy_all = || -> Result<Vec<Tensor>> {
+        params
+            .iter()
+            .map(|v| Ok(v.as_tensor().detach().copy()?))
+            .collect()
+    };
+    let saved = match progress {
+        Some(path) => match Progress::load(path, &params, spec.epochs)? {
+            Some(Ok(p)) => Some(p),
+            Some(Err(why)) => {
+                tracing::warn!(
+                    "{field}: the training progress in {} is not used ({why}); training from the start",
+                    path.display()
+                );
+                None
+            }
+            None => None,
+        },
+        None => None,
+    };
+    let (mut curve, mut best_epoch, mut kept, mut kept_params, first) = match saved {
+        Some(p) => {
+            let kept = match &p.kept {
+                Some(values) => {
+                    set_all(values)?;
+                    snapshot()?
+                }
+                None => init.clone(),
+            };
+            set_all(&p.params)?;
+            opt.restore(&p.adam)?;
+            for epoch in 1..=p.epoch {
+                shuffle_epoch(spec.seed, epoch, &mut order);
+            }
+            tracing::info!(
+                "{field}: resuming after epoch {} of {} (kept epoch {}) from {}",
+                p.epoch,
+                spec.epochs,
+                p.best_epoch,
+                progress
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default()
+            );
+            (p.curve, p.best_epoch, kept, p.kept, p.epoch + 1)
+        }
+        None => {
+            let (l0, a0) = slice(&init)?;
+            tracing::info!(
+                "{field}: epoch 0 (initial): slice loss {l0:.3}, first-token accuracy {a0:.3}"
+            );
+            (vec![[0.0, f64::NAN, l0, a0]], 0usize, init.clone(), None, 1)
+        }
+    };
+    let mut best = (curve[best_epoch][3], -curve[best_epoch][2]);
     let mut stopped = None;
-    'epochs: for epoch in 1..=spec.epochs {
-        let mut rng =
-            tolerable_probe::rng::Rng::new(crate::exec::mix(spec.seed, &[epoch as u64, 0xE90C]));
-        rng.shuffle(&mut order);
+    'epochs: for epoch in first..=spec.epochs {
+        shuffle_epoch(spec.seed, epoch, &mut order);
         let bar = ProgressBar::new(order.len() as u64);
         bar.set_style(
             ProgressStyle::with_template(&format!(
@@ -701,6 +759,25 @@ fn train_loop<S: Clone>(
             best = (sa, -sl);
             best_epoch = epoch;
             kept = now;
+            kept_params = Some(copy_all()?);
+        }
+        if let Some(path) = progress {
+            let p = Progress {
+                epoch,
+                params: copy_all()?,
+                adam: opt.state()?,
+                kept: kept_params.clone(),
+                curve: curve.clone(),
+                best_epoch,
+            };
+            // A progress file that cannot be written costs a resume, not
+            // the training.
+            if let Err(e) = p.save(path) {
+                tracing::warn!(
+                    "{field}: the progress of epoch {epoch} was not saved to {}: {e}",
+                    path.display()
+                );
+            }
         }
     }
     Ok(Trained {
@@ -710,6 +787,13 @@ fn train_loop<S: Clone>(
         best_epoch,
         stopped,
     })
+}
+
+/// Shuffles the training order for `epoch` (each epoch shuffles the order
+/// the previous one left).
+fn shuffle_epoch(seed: u64, epoch: usize, order: &mut [usize]) {
+    let mut rng = tolerable_probe::rng::Rng::new(crate::exec::mix(seed, &[epoch as u64, 0xE90C]));
+    rng.shuffle(order);
 }
 
 impl ResourceKind for BridgeSpec {
@@ -931,6 +1015,7 @@ impl ResourceKind for BridgeSpec {
                     ))),
                 },
                 &|s: &Vec<RouterLayer>| slice_scores(&slice, &|e| router_score(model, e, &s[0])),
+                cx.progress.as_deref(),
             )?;
             return Ok(Arc::new(BridgeValue {
                 trained: Vec::new(),
@@ -994,6 +1079,7 @@ impl ResourceKind for BridgeSpec {
                 let spec = HookSpec::new().adapt_all(s.clone());
                 slice_scores(&slice, &|e| score(model, e, &spec))
             },
+            cx.progress.as_deref(),
         )?;
         Ok(Arc::new(BridgeValue {
             trained: done.kept,
@@ -1256,6 +1342,171 @@ impl ResourceKind for BridgeSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A training cut short after an epoch resumes from its progress file
+    /// and ends with the bits of an uninterrupted training: the kept and
+    /// initial parameters, the curve and the kept epoch. A file for other
+    /// parameters is set aside and the training starts over.
+    #[test]
+    fn a_training_cut_short_resumes_bit_for_bit() {
+        let spec: BridgeSpec = toml::from_str(
+            r#"
+targets = "kv"
+train_items = 6
+slice_items = 2
+epochs = 4
+lr = 0.05
+weight_decay = 0.01
+seed = 3
+arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", source = "holder", mechanism = "append" }] }
+"#,
+        )
+        .unwrap();
+        let x = Tensor::from_vec(
+            tolerable_carrier::uniform_symmetric(8 * 3, 1.0, 11),
+            (8, 3),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let targets = Tensor::new(&[0u32, 1, 1, 0, 1, 0, 0, 1], &Device::Cpu).unwrap();
+        let fresh = || -> Vec<Var> {
+            [(3usize, 5usize), (5, 2)]
+                .iter()
+                .enumerate()
+                .map(|(i, &(r, c))| {
+                    let v = tolerable_carrier::uniform_symmetric(r * c, 0.7, 20 + i as u64);
+                    Var::from_tensor(&Tensor::from_vec(v, (r, c), &Device::Cpu).unwrap()).unwrap()
+                })
+                .collect()
+        };
+        let loss_of = |vs: &[Tensor], rows: &[usize]| -> Result<Tensor> {
+            let idx: Vec<u32> = rows.iter().map(|&i| i as u32).collect();
+            let idx = Tensor::new(idx.as_slice(), &Device::Cpu)?;
+            let h = x.index_select(&idx, 0)?.matmul(&vs[0])?.tanh()?;
+            let y = h.matmul(&vs[1])?;
+            Ok(candle_nn::loss::cross_entropy(
+                &y,
+                &targets.index_select(&idx, 0)?,
+            )?)
+        };
+        let bits = |ts: &[Tensor]| -> Vec<u32> {
+            ts.iter()
+                .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .map(f32::to_bits)
+                .collect()
+        };
+        // Trains `vars`; `fail_at` makes the step of that call number fail
+        // (the process dies mid-epoch). The slice is the training loss; its
+        // accuracy is 1 inside `band` and 0 outside, so that the kept epoch
+        // can be one before the cut.
+        let train =
+            |vars: &[Var], progress: Option<&Path>, fail_at: Option<usize>, band: (f64, f64)| {
+                let calls = std::cell::Cell::new(0usize);
+                let snapshot = || -> Result<Vec<Tensor>> {
+                    vars.iter()
+                        .map(|v| Ok(v.as_tensor().detach().copy()?))
+                        .collect()
+                };
+                train_loop(
+                    &spec,
+                    "[resources.test]",
+                    6,
+                    vars.to_vec(),
+                    &snapshot,
+                    &|batch| {
+                        calls.set(calls.get() + 1);
+                        if Some(calls.get()) == fail_at {
+                            return Err(DriverError::Records("killed".into()));
+                        }
+                        let live: Vec<Tensor> =
+                            vars.iter().map(|v| v.as_tensor().clone()).collect();
+                        loss_of(&live, batch)
+                    },
+                    &|s: &Vec<Tensor>| {
+                        let l = loss_of(s, &[0, 1, 2, 3, 4, 5])?.to_scalar::<f32>()? as f64;
+                        Ok((l, (band.0 < l && l < band.1) as u8 as f64))
+                    },
+                    progress,
+                )
+            };
+        // The slice losses of a first training set the band around epoch 2.
+        let probe = train(&fresh(), None, None, (0.0, 0.0)).unwrap();
+        let l: Vec<f64> = probe.curve.iter().map(|r| r[2]).collect();
+        assert!(l.windows(2).all(|w| w[1] < w[0]), "slice losses {l:?}");
+        let band = ((l[2] + l[3]) / 2.0, (l[1] + l[2]) / 2.0);
+        let whole = train(&fresh(), None, None, band).unwrap();
+        assert_eq!(whole.best_epoch, 2);
+        assert_ne!(bits(&whole.kept), bits(&whole.init));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bridge-x.progress.safetensors");
+        // Killed in the fourth epoch (6 steps an epoch): epochs 1 to 3 saved,
+        // the kept parameters (epoch 2) among them.
+        let err = train(&fresh(), Some(&path), Some(21), band).err().unwrap();
+        assert!(err.to_string().contains("killed"));
+        let saved = Progress::load(&path, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (saved.epoch, saved.adam.step_t, saved.best_epoch),
+            (3, 18, 2)
+        );
+        let resumed = train(&fresh(), Some(&path), None, band).unwrap();
+        assert_eq!(bits(&resumed.kept), bits(&whole.kept));
+        assert_eq!(bits(&resumed.init), bits(&whole.init));
+        assert_eq!(resumed.best_epoch, whole.best_epoch);
+        let curve_bits =
+            |c: &[[f64; 4]]| -> Vec<u64> { c.iter().flatten().map(|v| v.to_bits()).collect() };
+        assert_eq!(curve_bits(&resumed.curve), curve_bits(&whole.curve));
+        // Resumed after epoch 3 of 4 with the optimizer state of a fresh
+        // optimizer, the last epoch goes elsewhere: the moments matter.
+        let mut no_moments = Progress::load(&path, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(no_moments.epoch, 4);
+        let probe_path = dir.path().join("bridge-y.progress.safetensors");
+        no_moments.epoch = 3;
+        no_moments.curve.pop();
+        no_moments.params = saved.params.clone();
+        no_moments.adam = crate::resources::optim::AdamW::new(fresh(), Default::default())
+            .unwrap()
+            .state()
+            .unwrap();
+        no_moments.adam.step_t = 18;
+        no_moments.save(&probe_path).unwrap();
+        let off = train(&fresh(), Some(&probe_path), None, (0.0, 0.0)).unwrap();
+        assert_ne!(
+            off.curve[4][2].to_bits(),
+            probe.curve[4][2].to_bits(),
+            "zero moments changed nothing"
+        );
+        // The finished training's progress is there until the sweep removes
+        // it; resuming from it trains nothing more and keeps the result.
+        let again = train(&fresh(), Some(&path), Some(1), band).unwrap();
+        assert_eq!(bits(&again.kept), bits(&whole.kept));
+        // A file for parameters of other shapes is not used.
+        let other: Vec<Var> = vec![
+            Var::zeros((2, 2), DType::F32, &Device::Cpu).unwrap(),
+            Var::zeros((5, 2), DType::F32, &Device::Cpu).unwrap(),
+        ];
+        let why = Progress::load(&path, &other, 4)
+            .unwrap()
+            .unwrap()
+            .err()
+            .unwrap();
+        assert!(why.contains("param.0"), "{why}");
+        // Nor a file of more epochs than the training has.
+        assert!(Progress::load(&path, &fresh(), 3)
+            .unwrap()
+            .unwrap()
+            .is_err());
+        // A corrupt file is set aside: the training starts over and ends
+        // as the uninterrupted one did.
+        std::fs::write(&path, b"not a safetensors file").unwrap();
+        let over = train(&fresh(), Some(&path), None, band).unwrap();
+        assert_eq!(bits(&over.kept), bits(&whole.kept));
+    }
 
     /// A mini-batch step (`batch > 1`) minimises the mean of its examples'
     /// losses: its loss and its gradients on A and B equal the mean of the

@@ -16,6 +16,8 @@ pub mod bridge;
 pub mod codebook;
 pub mod cross;
 pub mod fitted;
+pub mod optim;
+pub mod progress;
 pub mod store;
 
 use crate::config::DataSource;
@@ -111,6 +113,10 @@ pub struct BuildCx<'a> {
     /// normal equations of cross-family projections from the same holder
     /// on the same passages).
     pub scratch: &'a Scratch,
+    /// Where a resource that trains over epochs keeps its progress so that
+    /// a build cut short resumes there (a bridge's last finished epoch);
+    /// `None` keeps none.
+    pub progress: Option<PathBuf>,
 }
 
 /// Work shared between resource builds of one invocation, by key.

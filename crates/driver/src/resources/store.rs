@@ -71,6 +71,13 @@ impl Store {
         self.root.join(format!("{kind}-{hash}"))
     }
 
+    /// Where a resource of `kind` and `hash` that is being built keeps its
+    /// training progress (beside its folder; removed once it is saved).
+    pub fn progress_file(&self, kind: &str, hash: &str) -> PathBuf {
+        self.root
+            .join(format!("{kind}-{hash}.progress.safetensors"))
+    }
+
     /// Whether a copy with matching metadata (hash and model) exists; its
     /// checksum and layout are checked when it is loaded.
     pub fn is_cached(&self, kind: &str, hash: &str, model_sha256: &str) -> bool {

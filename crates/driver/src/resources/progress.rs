@@ -1,0 +1,174 @@
+//! A bridge's training progress at the end of its last finished epoch, kept
+//! beside the resource cache (`<kind>-<hash>.progress.safetensors`) so that
+//! a training cut short (a session's end, a killed process) resumes there
+//! instead of from the start.
+//!
+//! The file holds what the rest of the training depends on: the parameters,
+//! the optimizer's moments and step count, the slice curve so far, the kept
+//! (best) epoch and its parameters. The epochs' shuffled orders are replayed
+//! from the seed, so a resumed training gives the bits an uninterrupted one
+//! gives. The resource hash in the file name covers the spec and the
+//! receiver; the file is removed once the resource is saved.
+
+use super::optim::AdamState;
+use crate::error::{DriverError, Result};
+use candle_core::{Device, Tensor, Var};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Training progress after `epoch` finished epochs.
+pub struct Progress {
+    /// Epochs finished.
+    pub epoch: usize,
+    /// The parameters after `epoch`, in training order.
+    pub params: Vec<Tensor>,
+    /// The optimizer's state after `epoch`.
+    pub adam: AdamState,
+    /// The parameters of the kept (best) epoch; `None` while the initial
+    /// parameters are kept.
+    pub kept: Option<Vec<Tensor>>,
+    /// Per epoch (0 = before training): epoch, mean training loss, slice
+    /// loss, slice first-token accuracy.
+    pub curve: Vec<[f64; 4]>,
+    /// The kept epoch.
+    pub best_epoch: usize,
+}
+
+impl Progress {
+    /// Writes the progress to `path` atomically (a temporary file, then a
+    /// rename): a reader finds the previous epoch's file or this one.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let mut map: HashMap<String, Tensor> = HashMap::new();
+        for (i, t) in self.params.iter().enumerate() {
+            map.insert(format!("param.{i}"), t.clone());
+        }
+        for (i, t) in self.adam.first.iter().enumerate() {
+            map.insert(format!("first.{i}"), t.clone());
+        }
+        for (i, t) in self.adam.second.iter().enumerate() {
+            map.insert(format!("second.{i}"), t.clone());
+        }
+        for (i, t) in self.kept.iter().flatten().enumerate() {
+            map.insert(format!("kept.{i}"), t.clone());
+        }
+        let flat: Vec<f64> = self.curve.iter().flatten().copied().collect();
+        map.insert(
+            "curve".into(),
+            Tensor::from_vec(flat, (self.curve.len(), 4), &Device::Cpu)?,
+        );
+        map.insert(
+            "counts".into(),
+            Tensor::new(
+                &[
+                    self.epoch as u32,
+                    self.adam.step_t as u32,
+                    self.best_epoch as u32,
+                ],
+                &Device::Cpu,
+            )?,
+        );
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| DriverError::Records(format!("creating {}: {e}", dir.display())))?;
+        }
+        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        let written = candle_core::safetensors::save(&map, &tmp)
+            .map_err(DriverError::from)
+            .and_then(|_| {
+                std::fs::rename(&tmp, path).map_err(|e| {
+                    DriverError::Records(format!(
+                        "renaming {} to {}: {e}",
+                        tmp.display(),
+                        path.display()
+                    ))
+                })
+            });
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written
+    }
+
+    /// The progress at `path` for training `params` over at most `epochs`
+    /// epochs: `Ok(None)` when there is none, `Err(why)` inside `Ok` when
+    /// the file is there but cannot be used (unreadable, other parameter
+    /// shapes, more epochs than the training has).
+    pub fn load(
+        path: &Path,
+        params: &[Var],
+        epochs: usize,
+    ) -> Result<Option<std::result::Result<Progress, String>>> {
+        if !path.exists() {
+            return Ok(None);
+        }
+        Ok(Some(Self::read(path, params, epochs)))
+    }
+
+    fn read(path: &Path, params: &[Var], epochs: usize) -> std::result::Result<Progress, String> {
+        let map = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| e.to_string())?;
+        let get = |k: &str| {
+            map.get(k)
+                .cloned()
+                .ok_or_else(|| format!("no tensor `{k}`"))
+        };
+        let counts = get("counts")?.to_vec1::<u32>().map_err(|e| e.to_string())?;
+        let [epoch, step_t, best_epoch] = counts[..] else {
+            return Err(format!("`counts` holds {} values, not 3", counts.len()));
+        };
+        let (epoch, best_epoch) = (epoch as usize, best_epoch as usize);
+        let curve: Vec<[f64; 4]> = get("curve")?
+            .to_vec2::<f64>()
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|r| [r[0], r[1], r[2], r[3]])
+            .collect();
+        if epoch > epochs || curve.len() != epoch + 1 || best_epoch > epoch {
+            return Err(format!(
+                "{epoch} epochs finished of {epochs}, {} curve rows, kept epoch {best_epoch}",
+                curve.len()
+            ));
+        }
+        let list = |tag: &str| -> std::result::Result<Vec<Tensor>, String> {
+            params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let t = get(&format!("{tag}.{i}"))?;
+                    if t.dims() != p.dims() || t.dtype() != p.dtype() {
+                        return Err(format!(
+                            "`{tag}.{i}` is {:?} {:?}, the parameter is {:?} {:?}",
+                            t.dtype(),
+                            t.dims(),
+                            p.dtype(),
+                            p.dims()
+                        ));
+                    }
+                    Ok(t)
+                })
+                .collect()
+        };
+        let n_params = map.keys().filter(|k| k.starts_with("param.")).count();
+        if n_params != params.len() {
+            return Err(format!(
+                "{n_params} parameters saved, the training has {}",
+                params.len()
+            ));
+        }
+        Ok(Progress {
+            epoch,
+            params: list("param")?,
+            adam: AdamState {
+                first: list("first")?,
+                second: list("second")?,
+                step_t: step_t as usize,
+            },
+            kept: if best_epoch > 0 {
+                Some(list("kept")?)
+            } else {
+                None
+            },
+            curve,
+            best_epoch,
+        })
+    }
+}
