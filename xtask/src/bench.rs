@@ -110,6 +110,11 @@ pub struct BenchOptions {
     /// Items over which that figure is timed, both ways.
     #[arg(long, default_value_t = 12)]
     pub item_batch_items: usize,
+    /// Items over which three bridges' arms decoding as one batch
+    /// (`batch_bridges`) are timed against each bridge decoding alone, in
+    /// the driver's figures (0, the default: skipped).
+    #[arg(long, default_value_t = 0)]
+    pub bridge_batching_items: usize,
     /// SQuAD dev file or folder for the arm figures (default $TOLERABLE_SQUAD_DIR; synthetic if none).
     #[arg(long)]
     pub squad: Option<std::path::PathBuf>,
@@ -288,7 +293,7 @@ fn orientation_figures(
 }
 
 /// The driver's figures: the 20-arm grid (unless skipped), item batching
-/// (when asked for) and the key bank's (unless skipped).
+/// and bridge batching (when asked for) and the key bank's (unless skipped).
 fn driver_figures(ck: &Checkpoint, o: &BenchOptions) -> Result<serde_json::Value> {
     let items = crate::bench_arms::items(ck, o.arms_n, o.squad.as_deref())?;
     let mut arms = if o.skip_grid {
@@ -299,6 +304,11 @@ fn driver_figures(ck: &Checkpoint, o: &BenchOptions) -> Result<serde_json::Value
     if o.item_batch > 1 {
         let n = o.item_batch_items.min(items.len());
         arms["item_batching"] = crate::bench_arms::item_batching(ck, &items[..n], o.item_batch, 8)?;
+    }
+    if o.bridge_batching_items > 0 {
+        let n = o.bridge_batching_items.min(items.len());
+        arms["bridge_batching"] =
+            crate::bench_arms::bridge_batching(ck, &items[..n], o.squad.as_deref(), 8)?;
     }
     if !o.skip_bank {
         let n = o.bank_items.min(items.len());

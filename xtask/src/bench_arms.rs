@@ -2,8 +2,9 @@
 //! cache-only arm as a fraction of a full passage prefill, and arm-items per
 //! second for a 20-arm KV grid batched per item, against the same arms run
 //! one at a time (each arm's question and decoding alone) and, when asked,
-//! with every arm of several items padded into one batch; and a few-arm
-//! plan's items decoded per item against several items padded into one batch.
+//! with every arm of several items padded into one batch; a few-arm
+//! plan's items decoded per item against several items padded into one
+//! batch; and bridged arms decoded as one batch against each bridge alone.
 
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -406,5 +407,118 @@ pub fn bank(
         "kv_only_arm_s": kv_s,
         "bank_arm_s": bank_s,
         "bank_arm_vs_kv_only_arm": bank_s / kv_s,
+    }))
+}
+
+/// Bridged arms decoded as one batch, each sequence with its own adapters
+/// (`[run] batch_bridges`), against the same arms with each bridge's arms
+/// decoding alone (the default), on the ladder's shape: the raw KV
+/// augmentation arm, a q, a k+v and a q+k+v adapter on it, and their
+/// zero-init gates. The adapters are built fresh (one training item, one
+/// step: B is no longer zero; their values do not change the cost). Both
+/// ways run the same items after one untimed item each: arm-items per
+/// second, the decode batches each took, how many continuations agree, and
+/// whether every zero-init gate held both ways.
+pub fn bridge_batching(
+    ck: &Checkpoint,
+    items: &[SplitItem],
+    squad: Option<&std::path::Path>,
+    new_tokens: usize,
+) -> Result<serde_json::Value> {
+    let source = training_source(squad);
+    let inject = "{ carrier = \"kv\", layers = \"all\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }";
+    let mut text =
+        String::from("[run]\nname = \"bench-bridges\"\n[data]\nsource = \"synthetic\"\nn = 1\n");
+    for t in ["q", "kv", "qkv"] {
+        text += &format!(
+            "[resources.b_{t}]\nkind = \"bridge\"\ntargets = \"{t}\"\ntrain_items = 1\nslice_items = 1\nepochs = 1\ndata = \"{source}\"\narm = {{ inject = [{inject}] }}\n"
+        );
+    }
+    text += &format!("[[arms]]\nname = \"kv_augment\"\ninject = {inject}\n");
+    let grid = "grid = { \"bridge.resource\" = [\"b_q\", \"b_kv\", \"b_qkv\"] }";
+    text += &format!(
+        "[[arms]]\nname = \"bridged\"\nbridge = {{ resource = \"b_q\" }}\ninject = {inject}\n{grid}\n"
+    );
+    text += &format!(
+        "[[arms]]\nname = \"zero_init\"\nbridge = {{ resource = \"b_q\", init = true }}\nexpect = {{ arm = \"kv_augment\" }}\ninject = {inject}\n{grid}\n"
+    );
+    let cfg = SweepConfig::parse(&text)?;
+    let plan = arms_only(&cfg, ck)?;
+    let n_arms = plan.programs.len();
+    let mut resources = BTreeMap::new();
+    for (name, spec) in &plan.resources {
+        let (_, value, _) = build_fresh(ck, squad, name, spec.kind(), items)?;
+        resources.insert(name.clone(), value);
+    }
+    let m = &ck.model;
+    let alone = Runner::new(m, &plan, &resources, new_tokens, 0);
+    let together = Runner::new(m, &plan, &resources, new_tokens, 0).with_bridge_batching(true);
+    let pairs: Vec<_> = items.iter().map(|it| it.pair()).collect();
+    /// One way's seconds, decode batches, continuations (per item, per
+    /// arm) and zero-init gates that held.
+    struct Timed {
+        seconds: f64,
+        batches: usize,
+        tokens: Vec<Vec<Vec<u32>>>,
+        gated: usize,
+    }
+    let time = |runner: &Runner, what: &str| -> Result<Timed> {
+        // One untimed item first: neither way pays the first call's warm-up.
+        if let Some(first) = pairs.first() {
+            runner.run_item(first, 0, &[])?;
+        }
+        let b = bar(pairs.len(), what);
+        let (mut batches, mut tokens, mut gated) = (0, Vec::new(), 0);
+        let t = Instant::now();
+        for (i, pair) in pairs.iter().enumerate() {
+            let (outs, timing) = runner.run_item_timed(pair, i, &[])?;
+            batches += timing.batches;
+            gated += outs.iter().filter(|o| o.bit_exact == Some(true)).count();
+            tokens.push(outs.into_iter().map(|o| o.tokens).collect());
+            b.inc(1);
+        }
+        let seconds = t.elapsed().as_secs_f64();
+        b.finish_and_clear();
+        Ok(Timed {
+            seconds,
+            batches,
+            tokens,
+            gated,
+        })
+    };
+    let a = time(&alone, "bridges, each alone")?;
+    let b = time(&together, "bridges, one batch")?;
+    let (alone_s, alone_batches, alone_gated) = (a.seconds, a.batches, a.gated);
+    let (together_s, together_batches, together_gated) = (b.seconds, b.batches, b.gated);
+    let agree = a
+        .tokens
+        .iter()
+        .zip(&b.tokens)
+        .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| x == y))
+        .filter(|&same| same)
+        .count();
+    let n = pairs.len() as f64 * n_arms as f64;
+    let gates = 3 * pairs.len();
+    eprintln!(
+        "  {n_arms} arms, 3 bridges: each alone {:.2} arm-items/s ({alone_batches} decode batches), one batch {:.2} ({together_batches}; {:.2}x); {agree}/{n} continuations agree; zero-init gates {alone_gated}/{gates} and {together_gated}/{gates}",
+        n / alone_s,
+        n / together_s,
+        alone_s / together_s
+    );
+    Ok(serde_json::json!({
+        "arms": n_arms,
+        "bridges": 3,
+        "items": pairs.len(),
+        "new_tokens": new_tokens,
+        "arm_items_per_s_alone": n / alone_s,
+        "arm_items_per_s_batched": n / together_s,
+        "bridge_batching_speedup": alone_s / together_s,
+        "decode_batches_alone": alone_batches,
+        "decode_batches_batched": together_batches,
+        "continuations_agree": agree,
+        "continuations": n as usize,
+        "zero_init_exact_alone": alone_gated,
+        "zero_init_exact_batched": together_gated,
+        "zero_init_gates": gates,
     }))
 }
