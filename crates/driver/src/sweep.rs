@@ -418,7 +418,20 @@ pub fn obtain_resources(
         .iter()
         .map(|(id, h)| (id.clone(), h.sha256.clone()))
         .collect();
-    for r in hash_all(resources, train, &model_sha, precision, &holder_sha)? {
+    let hashed = hash_all(resources, train, &model_sha, precision, &holder_sha)?;
+    // Resources sharing work (a bridge's training caches) are built one
+    // after another, and the work dropped after the last of them.
+    let groups: Vec<Option<String>> = hashed
+        .iter()
+        .map(|r| r.spec.kind().shared_work(&r.items))
+        .collect();
+    let has_deps: Vec<bool> = hashed
+        .iter()
+        .map(|r| !r.spec.kind().deps().is_empty())
+        .collect();
+    let order = crate::resources::grouped_order(&groups, &has_deps);
+    for (pos, &i) in order.iter().enumerate() {
+        let r = &hashed[i];
         let (name, spec, hash) = (&r.name, &r.spec, &r.hash);
         let kind = spec.kind();
         let ids: Vec<String> = r.items.iter().map(|i| i.item.id.clone()).collect();
@@ -502,6 +515,17 @@ pub fn obtain_resources(
                 eval_answers: train.eval.answer_mentions(&r.items),
             },
         );
+        if let Some(g) = &groups[i] {
+            if !order[pos + 1..]
+                .iter()
+                .any(|&j| groups[j].as_ref() == Some(g))
+            {
+                let n = scratch.release(g);
+                if n > 0 {
+                    tracing::debug!("resource `{name}`: {n} shared training values dropped");
+                }
+            }
+        }
         if let Some(dir) = resuming {
             let one = [(name.clone(), spec.clone())];
             check_resources_unchanged(dir, &resources_meta(&one, &values, &info))?;

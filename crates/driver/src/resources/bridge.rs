@@ -331,10 +331,12 @@ struct Example {
 
 /// The examples of `set.items[range]` under the training arm; bridges
 /// trained under the same arm on the same items in one invocation share
-/// them (`scratch`). Mis-source partners (a router's distractor holders)
+/// them (`scratch`, in `group`: [`ResourceKind::shared_work`]). Mis-source partners (a router's distractor holders)
 /// are other training items of `set`.
+#[allow(clippy::too_many_arguments)]
 fn examples<E: Send + Sync + 'static>(
     cx: &BuildCx,
+    group: &str,
     spec: &BridgeSpec,
     plan: &crate::plan::Plan,
     set: &crate::items::ItemSet,
@@ -378,7 +380,7 @@ fn examples<E: Send + Sync + 'static>(
             std::any::type_name::<E>(),
             it.item.id,
         );
-        let v = cx.scratch.get_or_make(&key, || {
+        let v = cx.scratch.get_or_make(group, &key, || {
             let pair = &set.pairs[i];
             let passes = crate::passes::item_passes_with(
                 model,
@@ -805,6 +807,27 @@ impl ResourceKind for BridgeSpec {
         1
     }
 
+    /// The training caches: bridges trained under the same arm on the same
+    /// items share them.
+    fn shared_work(&self, items: &[SplitItem]) -> Option<String> {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for it in items {
+            h.update(it.item.id.as_bytes());
+            h.update([0]);
+        }
+        let ids: String = h
+            .finalize()
+            .iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Some(format!(
+            "bridge examples {} on items {ids}",
+            serde_json::to_string(&self.arm).unwrap_or_default()
+        ))
+    }
+
     fn validate(
         &self,
         field: &str,
@@ -964,6 +987,7 @@ impl ResourceKind for BridgeSpec {
             .map_err(|e| DriverError::Config(format!("{field}: {e}")))?;
         let (tr, sl) = (0..self.train_items, self.train_items..n);
         let tokenizer = cx.train.tokenizer;
+        let group = self.shared_work(items).unwrap_or_default();
         let diff = model.clone().with_kernels(Kernels::Differentiable);
         if self.targets == BridgeTargets::Router {
             let make = |passes: &crate::passes::ItemPasses,
@@ -972,8 +996,8 @@ impl ResourceKind for BridgeSpec {
                         _: &crate::exec::ItemCx| {
                 router_example(self, passes, program, it, tokenizer)
             };
-            let train = examples(cx, self, &plan, &set, tr, "training", &make)?;
-            let slice = examples(cx, self, &plan, &set, sl, "slice", &make)?;
+            let train = examples(cx, &group, self, &plan, &set, tr, "training", &make)?;
+            let slice = examples(cx, &group, self, &plan, &set, sl, "slice", &make)?;
             let layer = train.first().map(|e| e.layer).unwrap_or(0);
             let wq = Var::from_tensor(&Tensor::zeros(
                 (cfg.d_model, self.rank),
@@ -1033,8 +1057,8 @@ impl ResourceKind for BridgeSpec {
                     icx: &crate::exec::ItemCx| {
             adapter_example(program, it, icx, tokenizer)
         };
-        let train = examples(cx, self, &plan, &set, tr, "training", &make)?;
-        let slice = examples(cx, self, &plan, &set, sl, "slice", &make)?;
+        let train = examples(cx, &group, self, &plan, &set, tr, "training", &make)?;
+        let slice = examples(cx, &group, self, &plan, &set, sl, "slice", &make)?;
         // Adapters: A uniform in ±1/sqrt(d) (seeded), B zero.
         let layers = self.layers.resolve(cfg.n_layers, &field)?;
         let hd = cfg.head_dim;

@@ -217,6 +217,17 @@ impl ResourceKind for CrossProjectionSpec {
         1
     }
 
+    /// The normal equations: projections from the same holder on the same
+    /// passages and positions share them, whatever their fit.
+    fn shared_work(&self, items: &[SplitItem]) -> Option<String> {
+        let ids: Vec<&str> = items.iter().map(|it| it.item.id.as_str()).collect();
+        Some(format!(
+            "cross normal equations {} {} {ids:?}",
+            self.holder,
+            self.positions.name()
+        ))
+    }
+
     fn holders(&self) -> Vec<String> {
         vec![self.holder.clone()]
     }
@@ -303,7 +314,8 @@ impl ResourceKind for CrossProjectionSpec {
             holder.sha256,
             self.positions.name()
         );
-        let shared = cx.scratch.get_or_make(&key, || {
+        let group = self.shared_work(items).unwrap_or_default();
+        let shared = cx.scratch.get_or_make(&group, &key, || {
             Ok(Arc::new(normal_equations(
                 cx,
                 holder,

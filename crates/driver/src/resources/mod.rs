@@ -119,22 +119,64 @@ pub struct BuildCx<'a> {
     pub progress: Option<PathBuf>,
 }
 
-/// Work shared between resource builds of one invocation, by key.
+/// Work shared between resource builds of one invocation: values by key
+/// within groups, a group being what [`ResourceKind::shared_work`] names
+/// (a bridge's training caches); the sweep drops a group once the last
+/// resource that shares it is built.
 #[derive(Default)]
-pub struct Scratch(std::sync::Mutex<std::collections::HashMap<String, Value>>);
+pub struct Scratch(
+    std::sync::Mutex<std::collections::HashMap<String, std::collections::HashMap<String, Value>>>,
+);
 
 impl Scratch {
-    /// The value under `key`, computed by `make` the first time.
-    pub fn get_or_make(&self, key: &str, make: impl FnOnce() -> Result<Value>) -> Result<Value> {
-        if let Some(v) = self.0.lock().expect("scratch lock").get(key) {
+    /// The value under `key` in `group`, computed by `make` the first time.
+    pub fn get_or_make(
+        &self,
+        group: &str,
+        key: &str,
+        make: impl FnOnce() -> Result<Value>,
+    ) -> Result<Value> {
+        if let Some(v) = self
+            .0
+            .lock()
+            .expect("scratch lock")
+            .get(group)
+            .and_then(|g| g.get(key))
+        {
             return Ok(v.clone());
         }
         let v = make()?;
         self.0
             .lock()
             .expect("scratch lock")
+            .entry(group.to_string())
+            .or_default()
             .insert(key.to_string(), v.clone());
         Ok(v)
+    }
+
+    /// Drops the work of `group`; how many values it held.
+    pub fn release(&self, group: &str) -> usize {
+        self.0
+            .lock()
+            .expect("scratch lock")
+            .remove(group)
+            .map_or(0, |g| g.len())
+    }
+
+    /// Values held, over every group.
+    pub fn len(&self) -> usize {
+        self.0
+            .lock()
+            .expect("scratch lock")
+            .values()
+            .map(|g| g.len())
+            .sum()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -245,6 +287,15 @@ pub trait ResourceKind {
     /// id): loaded before it is built, their sha256 in its content hash.
     fn holders(&self) -> Vec<String> {
         Vec::new()
+    }
+    /// The work it shares with other resources built in the same
+    /// invocation, as a group name (a bridge's training caches: one per
+    /// training arm and item list), or none. The sweep builds the
+    /// resources of one group one after another and drops the group's
+    /// work after the last of them, so an invocation holds one group's
+    /// caches at a time.
+    fn shared_work(&self, _items: &[SplitItem]) -> Option<String> {
+        None
     }
     /// Checks the spec against the receiver's geometry and the other
     /// declared resources; `field` names the config table.
@@ -449,6 +500,33 @@ pub fn hash_all(
     Ok(out)
 }
 
+/// The order to build resources in: the given (dependency) order, except
+/// that a resource of a shared-work group (`groups[i]`) that depends on no
+/// other resource (`has_deps[i]` false) is built right after the first
+/// resource of its group, so a group's shared work is computed once and
+/// can be dropped before the next group's. Positions into the given order.
+pub fn grouped_order(groups: &[Option<String>], has_deps: &[bool]) -> Vec<usize> {
+    let n = groups.len();
+    let mut placed = vec![false; n];
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        if placed[i] {
+            continue;
+        }
+        placed[i] = true;
+        out.push(i);
+        if let Some(g) = &groups[i] {
+            for j in i + 1..n {
+                if !placed[j] && !has_deps[j] && groups[j].as_ref() == Some(g) {
+                    placed[j] = true;
+                    out.push(j);
+                }
+            }
+        }
+    }
+    out
+}
+
 /// The resources of a run in dependency order (a resource after those it is
 /// fitted on); an unknown dependency or a cycle is a config error.
 pub fn build_order(all: &BTreeMap<String, ResourceSpec>) -> Result<Vec<String>> {
@@ -548,6 +626,81 @@ pub fn sample_training_where(
 mod tests {
     use super::*;
     use tolerable_probe::{QaItem, Template};
+
+    /// Resources of one shared-work group are built one after another
+    /// (each dependency-free member joins its group's first), the others
+    /// keep their places, and a resource with dependencies is not moved
+    /// ahead of them.
+    #[test]
+    fn a_group_is_built_together_and_dependants_keep_their_place() {
+        let g = |s: &str| Some(s.to_string());
+        // The ladder's seeds by name: kv@1 kv@2 kvd@1 kvd@2 q@1 q@2 ...,
+        // plain seed 1 (a), plain seed 2 (b), disjoint 1 (c), disjoint 2 (d).
+        let groups = [
+            g("a"),
+            g("b"),
+            g("c"),
+            g("d"),
+            g("a"),
+            g("b"),
+            g("c"),
+            g("d"),
+        ];
+        assert_eq!(
+            grouped_order(&groups, &[false; 8]),
+            vec![0, 4, 1, 5, 2, 6, 3, 7]
+        );
+        // A bank without a group stays between; a dependant of it (a
+        // codebook in group a) is not pulled ahead of it.
+        let groups = [g("a"), None, g("a"), g("a")];
+        assert_eq!(
+            grouped_order(&groups, &[false, false, true, false]),
+            vec![0, 3, 1, 2]
+        );
+        assert_eq!(grouped_order(&[], &[]), Vec::<usize>::new());
+    }
+
+    /// Bridges share their training caches where they train under the
+    /// same arm on the same items, whatever they adapt; other items or
+    /// another arm is another group.
+    #[test]
+    fn bridges_share_work_by_arm_and_items() {
+        let spec = |targets: &str, source: &str| -> bridge::BridgeSpec {
+            toml::from_str(&format!(
+                "targets = \"{targets}\"\narm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"{source}\", mechanism = \"append\" }}] }}"
+            ))
+            .unwrap()
+        };
+        let a = [item("x", vec![1, 2]), item("y", vec![3])];
+        let b = [item("x", vec![1, 2]), item("z", vec![3])];
+        let q = spec("q", "holder").shared_work(&a);
+        assert!(q.is_some());
+        assert_eq!(q, spec("kv", "holder").shared_work(&a));
+        assert_ne!(q, spec("q", "holder").shared_work(&b));
+        assert_ne!(q, spec("q", "native").shared_work(&a));
+    }
+
+    /// Scratch work is kept by group and dropped by group.
+    #[test]
+    fn scratch_work_is_dropped_by_group() {
+        let s = Scratch::default();
+        let calls = std::cell::Cell::new(0);
+        let make = || -> Result<Value> {
+            calls.set(calls.get() + 1);
+            Ok(Arc::new(calls.get()))
+        };
+        s.get_or_make("a", "k1", make).unwrap();
+        s.get_or_make("a", "k1", make).unwrap();
+        s.get_or_make("a", "k2", make).unwrap();
+        s.get_or_make("b", "k1", make).unwrap();
+        assert_eq!((calls.get(), s.len()), (3, 3));
+        assert_eq!(s.release("a"), 2);
+        assert_eq!(s.release("a"), 0);
+        assert_eq!(s.len(), 1);
+        // Made again after its group was dropped.
+        s.get_or_make("a", "k1", make).unwrap();
+        assert_eq!(calls.get(), 4);
+    }
 
     fn item(id: &str, passage: Vec<u32>) -> SplitItem {
         SplitItem {
