@@ -391,7 +391,8 @@ pub fn model_key(sha256: Option<&str>, path: &Path) -> String {
 }
 
 /// Builds (or loads from the cache) every resource of `resources` (a
-/// plan's, in build order), in order; `senders` are the plan's held-out
+/// plan's, in dependency order), a shared-work group's members one after
+/// another ([`crate::resources::grouped_order`]); `senders` are the plan's held-out
 /// senders, built and gated; `holders` its cross-family holders, loaded.
 /// With `resuming`, a run folder whose finished cells read recorded
 /// resources, each resource is compared with its record as soon as it is
@@ -442,6 +443,8 @@ pub fn obtain_resources(
                         "resource `{name}` ({}) loaded from the cache ({hash})",
                         kind.describe()
                     );
+                    // A progress file left by a build killed after saving.
+                    let _ = std::fs::remove_file(store.progress_file(kind.kind(), hash));
                     (
                         v,
                         Obtained::Cached,
@@ -522,7 +525,9 @@ pub fn obtain_resources(
             {
                 let n = scratch.release(g);
                 if n > 0 {
-                    tracing::debug!("resource `{name}`: {n} shared training values dropped");
+                    tracing::debug!(
+                        "after resource `{name}`: {n} values of its shared work dropped"
+                    );
                 }
             }
         }

@@ -331,8 +331,9 @@ struct Example {
 
 /// The examples of `set.items[range]` under the training arm; bridges
 /// trained under the same arm on the same items in one invocation share
-/// them (`scratch`, in `group`: [`ResourceKind::shared_work`]). Mis-source partners (a router's distractor holders)
-/// are other training items of `set`.
+/// them (`scratch`, in `group`: [`ResourceKind::shared_work`]).
+/// Mis-source partners (a router's distractor holders) are other training
+/// items of `set`.
 #[allow(clippy::too_many_arguments)]
 fn examples<E: Send + Sync + 'static>(
     cx: &BuildCx,
@@ -656,7 +657,7 @@ fn train_loop<S: Clone>(
     let mut order: Vec<usize> = (0..n_train).collect();
     let set_all = |values: &[Tensor]| -> Result<()> {
         for (v, t) in params.iter().zip(values) {
-            v.set(t)?;
+            v.set(&t.to_device(v.device())?)?;
         }
         Ok(())
     };
@@ -1525,6 +1526,20 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             .unwrap()
             .unwrap()
             .is_err());
+        // Nor one whose curve is not four columns (no panic).
+        let mut map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+        map.insert(
+            "curve".into(),
+            Tensor::zeros((5, 2), DType::F64, &Device::Cpu).unwrap(),
+        );
+        let odd = dir.path().join("bridge-z.progress.safetensors");
+        candle_core::safetensors::save(&map, &odd).unwrap();
+        let why = Progress::load(&odd, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .err()
+            .unwrap();
+        assert!(why.contains("curve"), "{why}");
         // A corrupt file is set aside: the training starts over and ends
         // as the uninterrupted one did.
         std::fs::write(&path, b"not a safetensors file").unwrap();

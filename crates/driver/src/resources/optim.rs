@@ -97,17 +97,23 @@ impl AdamW {
                 self.vars.len()
             )));
         }
-        for (vars, saved) in [(&self.first, &state.first), (&self.second, &state.second)] {
-            for (var, t) in vars.iter().zip(saved) {
-                if var.dims() != t.dims() {
-                    return Err(crate::error::DriverError::Records(format!(
-                        "optimizer moment of shape {:?} for a parameter of shape {:?}",
-                        t.dims(),
-                        var.dims()
-                    )));
-                }
-                var.set(t)?;
+        // Every shape is checked before anything is set.
+        let pairs = || {
+            [(&self.first, &state.first), (&self.second, &state.second)]
+                .into_iter()
+                .flat_map(|(vars, saved)| vars.iter().zip(saved))
+        };
+        for (var, t) in pairs() {
+            if var.dims() != t.dims() {
+                return Err(crate::error::DriverError::Records(format!(
+                    "optimizer moment of shape {:?} for a parameter of shape {:?}",
+                    t.dims(),
+                    var.dims()
+                )));
             }
+        }
+        for (var, t) in pairs() {
+            var.set(&t.to_device(var.device())?)?;
         }
         self.step_t = state.step_t;
         Ok(())

@@ -72,8 +72,18 @@ impl Progress {
                 .map_err(|e| DriverError::Records(format!("creating {}: {e}", dir.display())))?;
         }
         let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        let io = |what: &str, e: std::io::Error| {
+            DriverError::Records(format!("{what} {}: {e}", tmp.display()))
+        };
+        // On disk before the rename (a machine that stops, not only a
+        // killed process, then leaves the previous file or this one).
         let written = candle_core::safetensors::save(&map, &tmp)
             .map_err(DriverError::from)
+            .and_then(|_| {
+                std::fs::File::open(&tmp)
+                    .and_then(|f| f.sync_all())
+                    .map_err(|e| io("syncing", e))
+            })
             .and_then(|_| {
                 std::fs::rename(&tmp, path).map_err(|e| {
                     DriverError::Records(format!(
@@ -82,6 +92,11 @@ impl Progress {
                         path.display()
                     ))
                 })
+            })
+            .map(|_| {
+                if let Some(dir) = path.parent().and_then(|d| std::fs::File::open(d).ok()) {
+                    let _ = dir.sync_all();
+                }
             });
         if written.is_err() {
             let _ = std::fs::remove_file(&tmp);
@@ -116,7 +131,14 @@ impl Progress {
             return Err(format!("`counts` holds {} values, not 3", counts.len()));
         };
         let (epoch, best_epoch) = (epoch as usize, best_epoch as usize);
-        let curve: Vec<[f64; 4]> = get("curve")?
+        let curve = get("curve")?;
+        if curve.dims().len() != 2 || curve.dims()[1] != 4 {
+            return Err(format!(
+                "`curve` is {:?}, not (epochs + 1, 4)",
+                curve.dims()
+            ));
+        }
+        let curve: Vec<[f64; 4]> = curve
             .to_vec2::<f64>()
             .map_err(|e| e.to_string())?
             .into_iter()
