@@ -451,8 +451,12 @@ pub fn bridge_batching(
         resources.insert(name.clone(), value);
     }
     let m = &ck.model;
+    // The same arms with `[run] batch_bridges = true`.
+    let mut batched_cfg = cfg.clone();
+    batched_cfg.run.batch_bridges = true;
+    let batched_plan = arms_only(&batched_cfg, ck)?;
     let alone = Runner::new(m, &plan, &resources, new_tokens, 0);
-    let together = Runner::new(m, &plan, &resources, new_tokens, 0).with_bridge_batching(true);
+    let together = Runner::new(m, &batched_plan, &resources, new_tokens, 0);
     let pairs: Vec<_> = items.iter().map(|it| it.pair()).collect();
     /// One way's seconds, decode batches, continuations (per item, per
     /// arm) and zero-init gates that held.

@@ -74,7 +74,8 @@ pub struct ArmProgram {
     pub bridge: Option<(String, bool)>,
     /// Whether it reads its question and decodes in a batch of its own: set
     /// for an arm gated bit for bit against another arm (`expect = { arm }`)
-    /// and for that anchor. gemm's summation order depends on the row count
+    /// and for that anchor, unless bridges share batches
+    /// ([`Plan::batch_bridges`], which keeps gates comparable its own way). gemm's summation order depends on the row count
     /// (one row takes its gemv path), so two arms are bit-comparable only at
     /// equal batch sizes, and an anchor sharing its layout with a third arm
     /// by chance (a mismatch partner's passage of the same length) would
@@ -107,6 +108,13 @@ pub struct Plan {
     /// Cross-family holders the arms read (a model through a projection),
     /// by the key of their projected pass.
     pub foreign: BTreeMap<String, ForeignSpec>,
+    /// Whether arms that differ only in their bridge's adapters share a
+    /// question-and-decoding batch, each sequence with its own adapters
+    /// (`[run] batch_bridges`). A gated arm then shares its anchor's batch
+    /// where their caches share a layout, and the anchor and all its gated
+    /// arms decode alone where one of them does not (the runner decides
+    /// that per item); no program is marked `decode_alone`.
+    pub batch_bridges: bool,
 }
 
 fn bad(arm: &Arm, field: String, reason: impl Into<String>) -> DriverError {
@@ -159,7 +167,8 @@ pub fn compile(
             &mut foreign,
         )?);
     }
-    // Arms gated against another arm, and their anchors, decode alone.
+    // Arms gated against another arm, and their anchors, decode alone
+    // (with bridges batched, the runner keeps each gate's arms together).
     let gated: Vec<String> = programs
         .iter()
         .filter_map(|p| match &p.expect {
@@ -169,7 +178,7 @@ pub fn compile(
         .flatten()
         .collect();
     for p in &mut programs {
-        p.decode_alone = gated.contains(&p.name);
+        p.decode_alone = gated.contains(&p.name) && !cfg.run.batch_bridges;
     }
     // Controls resolve at each arm's grid point once every arm applies.
     for pa in &cfg.arms {
@@ -220,6 +229,7 @@ pub fn compile(
         native: cfg.anchor(Base::Full),
         senders,
         foreign,
+        batch_bridges: cfg.run.batch_bridges,
     })
 }
 

@@ -137,7 +137,6 @@ pub struct Runner<'a> {
     greedy: GreedyOptions,
     seed: u64,
     batching: Batching,
-    batch_bridges: bool,
     partner_passes: crate::passes::PartnerPasses,
 }
 
@@ -160,7 +159,6 @@ impl<'a> Runner<'a> {
             greedy: GreedyOptions::tokens(new_tokens),
             seed,
             batching: Batching::Batched,
-            batch_bridges: false,
             partner_passes: Default::default(),
         }
     }
@@ -185,14 +183,6 @@ impl<'a> Runner<'a> {
     /// Sets how arms are batched.
     pub fn with_batching(mut self, batching: Batching) -> Self {
         self.batching = batching;
-        self
-    }
-
-    /// Whether arms that differ only in their bridge's adapters share a
-    /// batch, each sequence with its own adapters (`[run] batch_bridges`);
-    /// a gated arm then decodes in its anchor's batch, not alone.
-    pub fn with_bridge_batching(mut self, on: bool) -> Self {
-        self.batch_bridges = on;
         self
     }
 
@@ -236,12 +226,12 @@ impl<'a> Runner<'a> {
             items.push(self.prepare_item(job)?);
         }
         // Group arms; each group runs the question and decoding as one batch
-        // (a program marked `decode_alone` forms a group of its own, unless
-        // bridges share batches: then a gated arm shares its anchor's batch
+        // (a program marked `decode_alone` forms a group of its own; where
+        // the plan batches bridges, a gated arm shares its anchor's batch
         // where their caches share a layout, and the anchor and all its
         // gated arms decode alone where one of them does not).
         let alone = |i: usize, a: usize| format!("{i:06}:alone{a:06}");
-        let gated = if self.batch_bridges {
+        let gated = if self.plan.batch_bridges {
             self.gated_by_anchor()?
         } else {
             BTreeMap::new()
@@ -252,15 +242,13 @@ impl<'a> Runner<'a> {
                 .iter()
                 .enumerate()
                 .map(|(a, (p, _))| {
-                    let question = if self.batch_bridges {
+                    let question = if self.plan.batch_bridges {
                         ""
                     } else {
                         p.question_key.as_str()
                     };
                     match self.batching {
-                        _ if self.plan.programs[a].decode_alone && !self.batch_bridges => {
-                            alone(i, a)
-                        }
+                        _ if self.plan.programs[a].decode_alone => alone(i, a),
                         Batching::Batched => format!(
                             "{i:06}:{}:{:?}:{question}",
                             p.cache.len(),
@@ -271,7 +259,7 @@ impl<'a> Runner<'a> {
                     }
                 })
                 .collect();
-            if self.batch_bridges {
+            if self.plan.batch_bridges {
                 keep_gates_together(&mut keys, &gated, |a| alone(i, a));
             }
             for (a, key) in keys.into_iter().enumerate() {
@@ -294,7 +282,7 @@ impl<'a> Runner<'a> {
                 .collect();
             let (i0, a0) = members[0];
             let per_row;
-            let spec = if self.batch_bridges {
+            let spec = if self.plan.batch_bridges {
                 let specs: Vec<&HookSpec> = members
                     .iter()
                     .map(|&(i, a)| &items[i].0[a].0.question)

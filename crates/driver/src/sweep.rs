@@ -1138,7 +1138,6 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         cfg.run.seed,
     )
     .with_batching(batching)
-    .with_bridge_batching(cfg.run.batch_bridges)
     .with_senders(&senders)
     .with_cross_holders(&ck.tokenizer, &holders);
     let t_run = Instant::now();
