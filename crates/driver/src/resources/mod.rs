@@ -634,8 +634,8 @@ mod tests {
     #[test]
     fn a_group_is_built_together_and_dependants_keep_their_place() {
         let g = |s: &str| Some(s.to_string());
-        // The ladder's seeds by name: kv@1 kv@2 kvd@1 kvd@2 q@1 q@2 ...,
-        // plain seed 1 (a), plain seed 2 (b), disjoint 1 (c), disjoint 2 (d).
+        // Four groups a-d, their members interleaved (resources in name
+        // order).
         let groups = [
             g("a"),
             g("b"),
@@ -661,23 +661,38 @@ mod tests {
     }
 
     /// Bridges share their training caches where they train under the
-    /// same arm on the same items, whatever they adapt; other items or
-    /// another arm is another group.
+    /// same arm from the same sample (seed), whatever they adapt and
+    /// whichever split of it (the answer-disjoint split keeps most of the
+    /// plain split's items in place); another seed or another arm is
+    /// another group.
     #[test]
-    fn bridges_share_work_by_arm_and_items() {
-        let spec = |targets: &str, source: &str| -> bridge::BridgeSpec {
+    fn bridges_share_work_by_arm_and_sample() {
+        let spec = |extra: &str, source: &str| -> bridge::BridgeSpec {
             toml::from_str(&format!(
-                "targets = \"{targets}\"\narm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"{source}\", mechanism = \"append\" }}] }}"
+                "{extra}\narm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"{source}\", mechanism = \"append\" }}] }}"
             ))
             .unwrap()
         };
         let a = [item("x", vec![1, 2]), item("y", vec![3])];
         let b = [item("x", vec![1, 2]), item("z", vec![3])];
-        let q = spec("q", "holder").shared_work(&a);
+        let q = spec("targets = \"q\"\nseed = 1", "holder").shared_work(&a);
         assert!(q.is_some());
-        assert_eq!(q, spec("kv", "holder").shared_work(&a));
-        assert_ne!(q, spec("q", "holder").shared_work(&b));
-        assert_ne!(q, spec("q", "native").shared_work(&a));
+        assert_eq!(
+            q,
+            spec(
+                "targets = \"kv\"\nseed = 1\nanswer_disjoint = true",
+                "holder"
+            )
+            .shared_work(&b)
+        );
+        assert_ne!(
+            q,
+            spec("targets = \"q\"\nseed = 2", "holder").shared_work(&a)
+        );
+        assert_ne!(
+            q,
+            spec("targets = \"q\"\nseed = 1", "native").shared_work(&a)
+        );
     }
 
     /// Scratch work is kept by group and dropped by group.
