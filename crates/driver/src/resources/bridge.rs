@@ -1127,11 +1127,7 @@ impl ResourceKind for BridgeSpec {
                 map.insert(format!("router.{tag}.{}.wk", r.layer), r.wk.clone());
             }
         }
-        let flat: Vec<f64> = v.curve.iter().flatten().copied().collect();
-        map.insert(
-            "curve".into(),
-            Tensor::from_vec(flat, (v.curve.len(), 4), &Device::Cpu)?,
-        );
+        map.insert("curve".into(), super::progress::curve_tensor(&v.curve)?);
         map.insert(
             "best_epoch".into(),
             Tensor::new(&[v.best_epoch as u32], &Device::Cpu)?,
@@ -1153,12 +1149,8 @@ impl ResourceKind for BridgeSpec {
                 .cloned()
                 .ok_or_else(|| DriverError::Records(format!("{}: no tensor `{k}`", path.display())))
         };
-        let curve_t = get("curve")?;
-        let curve = curve_t
-            .to_vec2::<f64>()?
-            .into_iter()
-            .map(|r| [r[0], r[1], r[2], r[3]])
-            .collect();
+        let curve = super::progress::curve_rows(&get("curve")?)
+            .map_err(|e| DriverError::Records(format!("{}: {e}", path.display())))?;
         let best_epoch = get("best_epoch")?.to_vec1::<u32>()?[0] as usize;
         let stopped = match map.get("stopped") {
             Some(t) => match t.to_vec1::<u32>()?[..] {

@@ -51,11 +51,7 @@ impl Progress {
         for (i, t) in self.kept.iter().flatten().enumerate() {
             map.insert(format!("kept.{i}"), t.clone());
         }
-        let flat: Vec<f64> = self.curve.iter().flatten().copied().collect();
-        map.insert(
-            "curve".into(),
-            Tensor::from_vec(flat, (self.curve.len(), 4), &Device::Cpu)?,
-        );
+        map.insert("curve".into(), curve_tensor(&self.curve)?);
         map.insert(
             "counts".into(),
             Tensor::new(
@@ -131,19 +127,7 @@ impl Progress {
             return Err(format!("`counts` holds {} values, not 3", counts.len()));
         };
         let (epoch, best_epoch) = (epoch as usize, best_epoch as usize);
-        let curve = get("curve")?;
-        if curve.dims().len() != 2 || curve.dims()[1] != 4 {
-            return Err(format!(
-                "`curve` is {:?}, not (epochs + 1, 4)",
-                curve.dims()
-            ));
-        }
-        let curve: Vec<[f64; 4]> = curve
-            .to_vec2::<f64>()
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .map(|r| [r[0], r[1], r[2], r[3]])
-            .collect();
+        let curve = curve_rows(&get("curve")?)?;
         if epoch > epochs || curve.len() != epoch + 1 || best_epoch > epoch {
             return Err(format!(
                 "{epoch} epochs finished of {epochs}, {} curve rows, kept epoch {best_epoch}",
@@ -193,4 +177,25 @@ impl Progress {
             best_epoch,
         })
     }
+}
+
+/// A training curve (per epoch: epoch, mean training loss, slice loss,
+/// slice first-token accuracy) as the (epochs + 1, 4) f64 tensor a bridge's
+/// value file and its progress file hold.
+pub fn curve_tensor(curve: &[[f64; 4]]) -> Result<Tensor> {
+    let flat: Vec<f64> = curve.iter().flatten().copied().collect();
+    Ok(Tensor::from_vec(flat, (curve.len(), 4), &Device::Cpu)?)
+}
+
+/// The curve a tensor written by [`curve_tensor`] holds; why not, when it
+/// is not (epochs + 1, 4) f64.
+pub fn curve_rows(t: &Tensor) -> std::result::Result<Vec<[f64; 4]>, String> {
+    if t.dims().len() != 2 || t.dims()[1] != 4 {
+        return Err(format!("`curve` is {:?}, not (epochs + 1, 4)", t.dims()));
+    }
+    Ok(t.to_vec2::<f64>()
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .map(|r| [r[0], r[1], r[2], r[3]])
+        .collect())
 }
