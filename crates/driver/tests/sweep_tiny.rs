@@ -636,6 +636,15 @@ fn an_output_folder_of_another_config_is_refused_and_left_alone() {
     );
 }
 
+/// Sweep options writing to `<dir>/<out>` with resources cached in `cache`.
+fn opts_in<'a>(dir: &'a Path, cache: &'a Path) -> impl Fn(&str) -> SweepOptions + 'a {
+    move |out: &str| SweepOptions {
+        out: Some(dir.join(out)),
+        resource_root: Some(cache.to_path_buf()),
+        ..Default::default()
+    }
+}
+
 fn resource_config(dir: &Path, model: &Path, bank_size: usize) -> PathBuf {
     let text = format!(
         r#"
@@ -710,11 +719,7 @@ fn a_key_bank_and_codebooks_are_built_once_cached_and_recorded() {
     let model = tiny(dir.path());
     let cfg = resource_config(dir.path(), &model, 40);
     let cache = dir.path().join("resources");
-    let opts = |out: &str| SweepOptions {
-        out: Some(dir.path().join(out)),
-        resource_root: Some(cache.clone()),
-        ..Default::default()
-    };
+    let opts = opts_in(dir.path(), &cache);
     sweep::run(&cfg, &opts("a")).unwrap();
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("a/run.json")).unwrap())
@@ -1374,11 +1379,7 @@ fn fitted_substitutes_are_built_once_cached_recorded_and_carry_fidelity() {
     let model = tiny(dir.path());
     let cfg = fitted_config(dir.path(), &model);
     let cache = dir.path().join("resources");
-    let opts = |out: &str| SweepOptions {
-        out: Some(dir.path().join(out)),
-        resource_root: Some(cache.clone()),
-        ..Default::default()
-    };
+    let opts = opts_in(dir.path(), &cache);
     let read = |out: &str| -> serde_json::Value {
         serde_json::from_str(
             &std::fs::read_to_string(dir.path().join(out).join("run.json")).unwrap(),
@@ -1577,11 +1578,7 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
     let model = tiny(dir.path());
     let cfg = bridge_config(dir.path(), &model, 2);
     let cache = dir.path().join("resources");
-    let opts = |out: &str| SweepOptions {
-        out: Some(dir.path().join(out)),
-        resource_root: Some(cache.clone()),
-        ..Default::default()
-    };
+    let opts = opts_in(dir.path(), &cache);
     let out = dir.path().join("a");
     sweep::run(&cfg, &opts("a")).unwrap();
     let meta: serde_json::Value =
@@ -1681,11 +1678,7 @@ fn a_bridge_build_resumes_from_its_progress_file() {
     let model = tiny(dir.path());
     let cfg = bridge_config(dir.path(), &model, 2);
     let cache = dir.path().join("resources");
-    let opts = |out: &str| SweepOptions {
-        out: Some(dir.path().join(out)),
-        resource_root: Some(cache.clone()),
-        ..Default::default()
-    };
+    let opts = opts_in(dir.path(), &cache);
     sweep::run(&cfg, &opts("a")).unwrap();
     let meta = |out: &str| -> serde_json::Value {
         serde_json::from_str(
@@ -1836,11 +1829,7 @@ fn a_bridge_trained_in_mini_batches_is_its_own_resource() {
     let two = dir.path().join("batch2.toml");
     std::fs::write(&two, text.replacen("lr = 0.01", "lr = 0.01\nbatch = 2", 1)).unwrap();
     let cache = dir.path().join("resources");
-    let opts = |out: &str| SweepOptions {
-        out: Some(dir.path().join(out)),
-        resource_root: Some(cache.clone()),
-        ..Default::default()
-    };
+    let opts = opts_in(dir.path(), &cache);
     sweep::run(&one, &opts("one")).unwrap();
     sweep::run(&two, &opts("two")).unwrap();
     let (m1, m2) = (
@@ -1892,11 +1881,7 @@ fn bridges_batched_decode_together_and_keep_their_gate() {
     )
     .unwrap();
     let cache = dir.path().join("resources");
-    let opts = |out: &str| SweepOptions {
-        out: Some(dir.path().join(out)),
-        resource_root: Some(cache.clone()),
-        ..Default::default()
-    };
+    let opts = opts_in(dir.path(), &cache);
     sweep::run(&alone, &opts("alone")).unwrap();
     sweep::run(&together, &opts("together")).unwrap();
     let (m1, m2) = (
@@ -1975,11 +1960,7 @@ fn a_trained_arm_combines_across_seed_runs() {
     )
     .unwrap();
     let cache = dir.path().join("resources");
-    let opts = |out: &str| SweepOptions {
-        out: Some(dir.path().join(out)),
-        resource_root: Some(cache.clone()),
-        ..Default::default()
-    };
+    let opts = opts_in(dir.path(), &cache);
     for (cfg, out) in [
         (&s0, "a"),
         (&s1, "b"),
@@ -2221,11 +2202,7 @@ fn a_non_finite_loss_stops_training_and_an_adapter_that_does_not_fit_is_never_us
     let cfg = bridge_config(dir.path(), &model, 2);
     let text = std::fs::read_to_string(&cfg).unwrap();
     let cache = dir.path().join("resources");
-    let opts = |out: &str| SweepOptions {
-        out: Some(dir.path().join(out)),
-        resource_root: Some(cache.clone()),
-        ..Default::default()
-    };
+    let opts = opts_in(dir.path(), &cache);
     let write = |name: &str, t: String| {
         let p = dir.path().join(name);
         std::fs::write(&p, t).unwrap();
@@ -2468,11 +2445,7 @@ fn a_trained_router_learns_its_pool_weights_and_starts_as_the_uniform_router() {
     let model = tiny(dir.path());
     let cfg = router_config(dir.path(), &model, "");
     let cache = dir.path().join("resources");
-    let opts = |out: &str| SweepOptions {
-        out: Some(dir.path().join(out)),
-        resource_root: Some(cache.clone()),
-        ..Default::default()
-    };
+    let opts = opts_in(dir.path(), &cache);
     sweep::run(&cfg, &opts("a")).unwrap();
     let out = dir.path().join("a");
     let r = &run_json(&out)["resources"]["router"];
@@ -2890,11 +2863,7 @@ fn cross_family_holders_run_through_cached_projections_and_the_identity_reaches_
     let holder = foreign_holder(dir.path());
     let cfg = cross_config(dir.path(), &model, &holder, 6);
     let cache = dir.path().join("resources");
-    let opts = |out: &str| SweepOptions {
-        out: Some(dir.path().join(out)),
-        resource_root: Some(cache.clone()),
-        ..Default::default()
-    };
+    let opts = opts_in(dir.path(), &cache);
     let read = |out: &str| -> serde_json::Value {
         serde_json::from_str(
             &std::fs::read_to_string(dir.path().join(out).join("run.json")).unwrap(),
