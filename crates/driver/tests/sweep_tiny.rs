@@ -1641,6 +1641,29 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
             .unwrap();
     assert_eq!(meta["resources"]["qb"]["obtained"], "cached");
     assert_eq!(meta["resources"]["qb"]["summary"], qb["summary"]);
+    // The cached value stores no initial adapters; the ones it derives
+    // from the seed still give the raw arm bit for bit.
+    let hash = qb["hash"].as_str().unwrap();
+    let stored = candle_core::safetensors::load(
+        cache.join(format!("bridge-{hash}/value.safetensors")),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert!(
+        !stored.keys().any(|k| k.starts_with("init.")),
+        "{:?}",
+        stored.keys()
+    );
+    let (names, cached) = crate::rows(&dir.path().join("b/items/cell-00000.parquet"));
+    let arm = col(&names, &cached, "arm");
+    let exact = col(&names, &cached, "bit_exact");
+    let n = arm.iter().filter(|a| *a == "kv_bridge_init").count();
+    assert!(n > 0);
+    for (i, a) in arm.iter().enumerate() {
+        if a == "kv_bridge_init" {
+            assert_eq!(exact[i], "true", "cached run, row {i}");
+        }
+    }
     // Bad input, named before any work: an unknown bridge, a bridge trained
     // on another item's states, the router, a gate against a missing arm, a
     // mini-batch of none or of more than the training items.

@@ -163,6 +163,23 @@ fn train() -> DataSource {
 const TRAIN_ARM: &str = "bridge_train";
 
 impl BridgeSpec {
+    /// The initial down-projection A of the adapter at `layer` on
+    /// `projection`: uniform in ±1/sqrt(d_model), drawn from the bridge's
+    /// seed, the layer and the projection (its B starts at zero). A saved
+    /// bridge derives its initial adapters from this instead of storing them.
+    fn init_a(&self, d_model: usize, layer: usize, projection: Projection) -> Result<Tensor> {
+        let seed = crate::exec::mix(self.seed, &[layer as u64, projection as u64]);
+        Ok(Tensor::from_vec(
+            tolerable_carrier::uniform_symmetric(
+                d_model * self.rank,
+                1.0 / (d_model as f64).sqrt(),
+                seed,
+            ),
+            (d_model, self.rank),
+            &Device::Cpu,
+        )?)
+    }
+
     fn projections(&self) -> Vec<Projection> {
         match self.targets {
             BridgeTargets::Q => vec![Projection::Q],
@@ -269,7 +286,8 @@ impl BridgeSpec {
 pub struct BridgeValue {
     /// The adapters of the kept epoch.
     pub trained: Vec<Adapter>,
-    /// The adapters before the first step (B = 0).
+    /// The adapters before the first step (B = 0; derived from the seed on
+    /// load, not stored).
     pub init: Vec<Adapter>,
     /// Per epoch (0 = before training): epoch, mean training loss (NaN at
     /// epoch 0), slice loss, slice first-token accuracy.
@@ -551,6 +569,16 @@ fn adapters_of(
             })
         })
         .collect()
+}
+
+/// The sum of a parameter tensor's entries in f64, added in order (a saved
+/// bridge's check on its derived initial adapters).
+fn a_sum(t: &Tensor) -> Result<f64> {
+    Ok(t.flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .map(|&x| x as f64)
+        .sum())
 }
 
 /// Loss and first-token hit of one example under `spec`.
@@ -1064,16 +1092,7 @@ impl ResourceKind for BridgeSpec {
                     Projection::Q => cfg.n_heads * hd,
                     Projection::K | Projection::V => cfg.n_kv_heads * hd,
                 };
-                let seed = crate::exec::mix(self.seed, &[l as u64, p as u64]);
-                let a = Tensor::from_vec(
-                    tolerable_carrier::uniform_symmetric(
-                        cfg.d_model * self.rank,
-                        1.0 / (cfg.d_model as f64).sqrt(),
-                        seed,
-                    ),
-                    (cfg.d_model, self.rank),
-                    &Device::Cpu,
-                )?;
+                let a = self.init_a(cfg.d_model, l, p)?;
                 let b = Tensor::zeros((self.rank, out), DType::F32, &Device::Cpu)?;
                 vars.push((l, p, Var::from_tensor(&a)?, Var::from_tensor(&b)?));
             }
@@ -1114,12 +1133,17 @@ impl ResourceKind for BridgeSpec {
     fn save(&self, value: &Value, path: &Path) -> Result<()> {
         let v: &BridgeValue = super::bank::downcast(value, "bridge")?;
         let mut map: HashMap<String, Tensor> = HashMap::new();
-        for (tag, ads) in [("trained", &v.trained), ("init", &v.init)] {
-            for ad in ads.iter() {
-                let key = format!("{tag}.{}.{}", ad.layer, proj_name(ad.projection));
-                map.insert(format!("{key}.a"), ad.a.clone());
-                map.insert(format!("{key}.b"), ad.b.clone());
-            }
+        // The kept adapters only: the initial ones are derived from the seed
+        // on load (B = 0, A from `init_a`); the sum of each initial A is kept
+        // so that a load can tell a derivation that no longer matches.
+        for ad in v.trained.iter() {
+            let key = format!("trained.{}.{}", ad.layer, proj_name(ad.projection));
+            map.insert(format!("{key}.a"), ad.a.clone());
+            map.insert(format!("{key}.b"), ad.b.clone());
+        }
+        for ad in v.init.iter() {
+            let key = format!("init_sum.{}.{}", ad.layer, proj_name(ad.projection));
+            map.insert(key, Tensor::new(&[a_sum(&ad.a)?], &Device::Cpu)?);
         }
         for (tag, routers) in [("trained", &v.router), ("init", &v.init_router)] {
             for r in routers.iter() {
@@ -1186,17 +1210,43 @@ impl ResourceKind for BridgeSpec {
             .collect();
         keys.sort_by_key(|(l, p)| (*l, proj_name(*p)));
         for (l, p) in keys {
-            for (tag, out) in [("trained", &mut trained), ("init", &mut init)] {
-                let key = format!("{tag}.{l}.{}", proj_name(p));
-                out.push(Adapter {
-                    layer: l,
-                    projection: p,
-                    a: get(&format!("{key}.a"))?,
-                    b: get(&format!("{key}.b"))?,
-                    scale,
-                    rows: None,
-                });
-            }
+            let key = format!("trained.{l}.{}", proj_name(p));
+            let (a, b) = (get(&format!("{key}.a"))?, get(&format!("{key}.b"))?);
+            let old = format!("init.{l}.{}", proj_name(p));
+            let (a0, b0) = if map.contains_key(&format!("{old}.a")) {
+                // Files saved before 2026-12-06 store the initial adapters.
+                (get(&format!("{old}.a"))?, get(&format!("{old}.b"))?)
+            } else {
+                let (d_model, _) = a.dims2()?;
+                let a0 = self.init_a(d_model, l, p)?;
+                let b0 = b.zeros_like()?;
+                let want = get(&format!("init_sum.{l}.{}", proj_name(p)))?.to_vec1::<f64>()?;
+                let got = a_sum(&a0)?;
+                if want.len() != 1 || want[0].to_bits() != got.to_bits() {
+                    return Err(DriverError::Records(format!(
+                        "{}: the initial adapter at layer {l} ({}) derived from the seed sums to {got}, the saved bridge's to {want:?}: the initialisation changed since it was trained",
+                        path.display(),
+                        proj_name(p)
+                    )));
+                }
+                (a0, b0)
+            };
+            trained.push(Adapter {
+                layer: l,
+                projection: p,
+                a,
+                b,
+                scale,
+                rows: None,
+            });
+            init.push(Adapter {
+                layer: l,
+                projection: p,
+                a: a0,
+                b: b0,
+                scale,
+                rows: None,
+            });
         }
         let mut router_layers: Vec<usize> = map
             .keys()
@@ -1353,6 +1403,123 @@ impl ResourceKind for BridgeSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A saved bridge keeps its trained adapters and derives its initial
+    /// ones from the seed: the file holds no initial tensors, the loaded
+    /// ones are the bits the training started from, a file whose recorded
+    /// initial sums no longer match is refused by name, and a file of the
+    /// older format (initial adapters stored) still loads them.
+    #[test]
+    fn a_saved_bridge_derives_its_initial_adapters_from_the_seed() {
+        let spec: BridgeSpec = toml::from_str(
+            r#"
+targets = "qkv"
+train_items = 6
+slice_items = 2
+seed = 5
+arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", source = "holder", mechanism = "append" }] }
+"#,
+        )
+        .unwrap();
+        let (d, r) = (12usize, spec.rank);
+        let ad = |l: usize, p: Projection, a: Tensor, out: usize, b0: bool| Adapter {
+            layer: l,
+            projection: p,
+            a,
+            b: if b0 {
+                Tensor::zeros((r, out), DType::F32, &Device::Cpu).unwrap()
+            } else {
+                Tensor::from_vec(
+                    tolerable_carrier::uniform_symmetric(r * out, 0.3, 40 + l as u64),
+                    (r, out),
+                    &Device::Cpu,
+                )
+                .unwrap()
+            },
+            scale: spec.scale(),
+            rows: None,
+        };
+        let (mut trained, mut init) = (Vec::new(), Vec::new());
+        for l in [0usize, 2] {
+            for (p, out) in [(Projection::Q, 12), (Projection::K, 4), (Projection::V, 4)] {
+                let a0 = spec.init_a(d, l, p).unwrap();
+                trained.push(ad(l, p, (&a0 * 1.5).unwrap(), out, false));
+                init.push(ad(l, p, a0, out, true));
+            }
+        }
+        let value: Value = Arc::new(BridgeValue {
+            trained: trained.clone(),
+            init: init.clone(),
+            curve: vec![[0.0, f64::NAN, 1.0, 0.5], [1.0, 0.9, 0.8, 0.5]],
+            best_epoch: 1,
+            stopped: None,
+            router: Vec::new(),
+            init_router: Vec::new(),
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("value.safetensors");
+        spec.save(&value, &path).unwrap();
+        let map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+        assert!(
+            !map.keys().any(|k| k.starts_with("init.")),
+            "{:?}",
+            map.keys()
+        );
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        };
+        let same = |x: &[Adapter], y: &[Adapter]| {
+            assert_eq!(x.len(), y.len());
+            for (x, y) in x.iter().zip(y) {
+                assert_eq!((x.layer, x.projection), (y.layer, y.projection));
+                assert_eq!(bits(&x.a), bits(&y.a));
+                assert_eq!(bits(&x.b), bits(&y.b));
+                assert_eq!(x.b.dims(), y.b.dims());
+            }
+        };
+        let sorted = |v: &[Adapter]| {
+            let mut v = v.to_vec();
+            v.sort_by_key(|a| (a.layer, proj_name(a.projection)));
+            v
+        };
+        let back = spec.load(&path).unwrap();
+        let back: &BridgeValue = super::super::bank::downcast(&back, "bridge").unwrap();
+        same(&back.trained, &sorted(&trained));
+        same(&back.init, &sorted(&init));
+        // Another seed derives other initial adapters: refused by name.
+        let other = BridgeSpec {
+            seed: 6,
+            ..spec.clone()
+        };
+        let e = other.load(&path).unwrap_err().to_string();
+        assert!(e.contains("the initialisation changed"), "{e}");
+        // The older format: initial adapters stored, loaded as they are.
+        let mut old = map.clone();
+        old.retain(|k, _| !k.starts_with("init_sum."));
+        for a in &init {
+            let key = format!("init.{}.{}", a.layer, proj_name(a.projection));
+            old.insert(format!("{key}.a"), (&a.a + 0.25).unwrap());
+            old.insert(format!("{key}.b"), a.b.clone());
+        }
+        let old_path = dir.path().join("old.safetensors");
+        candle_core::safetensors::save(&old, &old_path).unwrap();
+        let back = other.load(&old_path).unwrap();
+        let back: &BridgeValue = super::super::bank::downcast(&back, "bridge").unwrap();
+        let shifted: Vec<Adapter> = sorted(&init)
+            .into_iter()
+            .map(|a| Adapter {
+                a: (&a.a + 0.25).unwrap(),
+                ..a
+            })
+            .collect();
+        same(&back.init, &shifted);
+    }
 
     /// A training cut short after an epoch resumes from its progress file
     /// and ends with the bits of an uninterrupted training: the kept and
