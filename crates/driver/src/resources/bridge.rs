@@ -163,19 +163,26 @@ fn train() -> DataSource {
 const TRAIN_ARM: &str = "bridge_train";
 
 impl BridgeSpec {
-    /// The initial down-projection A of the adapter at `layer` on
-    /// `projection`: uniform in ±1/sqrt(d_model), drawn from the bridge's
-    /// seed, the layer and the projection (its B starts at zero). A saved
-    /// bridge derives its initial adapters from this instead of storing them.
-    fn init_a(&self, d_model: usize, layer: usize, projection: Projection) -> Result<Tensor> {
+    /// The initial down-projection A (`d_model` x `rank`) of the adapter at
+    /// `layer` on `projection`: uniform in ±1/sqrt(d_model), drawn from the
+    /// bridge's seed, the layer and the projection (its B starts at zero).
+    /// A saved bridge derives its initial adapters from this instead of
+    /// storing them.
+    fn init_a(
+        &self,
+        d_model: usize,
+        rank: usize,
+        layer: usize,
+        projection: Projection,
+    ) -> Result<Tensor> {
         let seed = crate::exec::mix(self.seed, &[layer as u64, projection as u64]);
         Ok(Tensor::from_vec(
             tolerable_carrier::uniform_symmetric(
-                d_model * self.rank,
+                d_model * rank,
                 1.0 / (d_model as f64).sqrt(),
                 seed,
             ),
-            (d_model, self.rank),
+            (d_model, rank),
             &Device::Cpu,
         )?)
     }
@@ -1092,7 +1099,7 @@ impl ResourceKind for BridgeSpec {
                     Projection::Q => cfg.n_heads * hd,
                     Projection::K | Projection::V => cfg.n_kv_heads * hd,
                 };
-                let a = self.init_a(cfg.d_model, l, p)?;
+                let a = self.init_a(cfg.d_model, self.rank, l, p)?;
                 let b = Tensor::zeros((self.rank, out), DType::F32, &Device::Cpu)?;
                 vars.push((l, p, Var::from_tensor(&a)?, Var::from_tensor(&b)?));
             }
@@ -1217,8 +1224,10 @@ impl ResourceKind for BridgeSpec {
                 // Files saved before 2026-12-06 store the initial adapters.
                 (get(&format!("{old}.a"))?, get(&format!("{old}.b"))?)
             } else {
-                let (d_model, _) = a.dims2()?;
-                let a0 = self.init_a(d_model, l, p)?;
+                // The file's own shapes: whether they fit the receiver and
+                // the spec is `check`'s to say.
+                let (d_model, rank) = a.dims2()?;
+                let a0 = self.init_a(d_model, rank, l, p)?;
                 let b0 = b.zeros_like()?;
                 let want = get(&format!("init_sum.{l}.{}", proj_name(p)))?.to_vec1::<f64>()?;
                 let got = a_sum(&a0)?;
@@ -1442,7 +1451,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         let (mut trained, mut init) = (Vec::new(), Vec::new());
         for l in [0usize, 2] {
             for (p, out) in [(Projection::Q, 12), (Projection::K, 4), (Projection::V, 4)] {
-                let a0 = spec.init_a(d, l, p).unwrap();
+                let a0 = spec.init_a(d, r, l, p).unwrap();
                 trained.push(ad(l, p, (&a0 * 1.5).unwrap(), out, false));
                 init.push(ad(l, p, a0, out, true));
             }
