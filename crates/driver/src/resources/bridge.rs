@@ -37,7 +37,9 @@
 //!
 //! The value holds the kept adapters, the initial ones and the training
 //! curve (epoch, mean training loss, slice loss, slice first-token
-//! accuracy), which `run.json` records.
+//! accuracy), which `run.json` records. Its file stores the kept adapters
+//! and the curve; the initial adapters are derived from the seed on load
+//! (files written before e8f579b store them too).
 
 use super::progress::Progress;
 use super::{sample_training, BuildCx, ResourceKind, ResourceSpec, TrainCx, Value};
@@ -1142,7 +1144,10 @@ impl ResourceKind for BridgeSpec {
         let mut map: HashMap<String, Tensor> = HashMap::new();
         // The kept adapters only: the initial ones are derived from the seed
         // on load (B = 0, A from `init_a`); the sum of each initial A is kept
-        // so that a load can tell a derivation that no longer matches.
+        // so that a load can tell a changed draw (a check on the values
+        // drawn, not on their layout: a reordering keeps the sum). With B =
+        // 0 the initial A changes no output; it matters to a reader of the
+        // initial adapters only.
         for ad in v.trained.iter() {
             let key = format!("trained.{}.{}", ad.layer, proj_name(ad.projection));
             map.insert(format!("{key}.a"), ad.a.clone());
@@ -1221,7 +1226,7 @@ impl ResourceKind for BridgeSpec {
             let (a, b) = (get(&format!("{key}.a"))?, get(&format!("{key}.b"))?);
             let old = format!("init.{l}.{}", proj_name(p));
             let (a0, b0) = if map.contains_key(&format!("{old}.a")) {
-                // Files saved before 2026-12-06 store the initial adapters.
+                // Files saved before e8f579b store the initial adapters.
                 (get(&format!("{old}.a"))?, get(&format!("{old}.b"))?)
             } else {
                 // The file's own shapes: whether they fit the receiver and
