@@ -106,7 +106,12 @@ def main():
     ap.add_argument("run")
     ap.add_argument("--trained", required=True, help="the trained arm's family")
     ap.add_argument("--mis-source", required=True, help="its mis-source control's family")
-    ap.add_argument("--raw", required=True, help="the untrained arm (its name)")
+    ap.add_argument("--raw", required=True,
+                    help="the untrained arm (its name), or its family when it varies with the "
+                         "trained arm's point (a pool's N): then a column beside each row")
+    ap.add_argument("--also", action="append", default=[],
+                    help="another control family read at the same resource and point "
+                         "(a pool's masked-holder control); repeatable")
     ap.add_argument("--seeds", action="store_true",
                     help="also the table across seeds, from the run's seeds.parquet")
     a = ap.parse_args()
@@ -124,7 +129,8 @@ def main():
         return t
 
     def find(family, bridge, rest):
-        m = s[(s["family"] == family) & (s["bridge"] == bridge) & (s["rest"] == rest)]
+        same = s["bridge"].isna() if bridge is None else s["bridge"] == bridge
+        m = s[(s["family"] == family) & same & (s["rest"] == rest)]
         return None if m.empty else m.iloc[0]
 
     def fmt_p(p):
@@ -136,12 +142,18 @@ def main():
         return (f"{r['lift']:+.3f} [{r['lift_lo']:+.3f}, {r['lift_hi']:+.3f}] over `{r['strongest_control']}`; "
                 f"{int(r['lift_gained'])} / {int(r['lift_lost'])}, p {fmt_p(r['lift_mcnemar_p'])}")
 
-    raw = by_name.loc[a.raw]
-    print(f"{a.run} ({source}): n = {n}; floor {by_name.loc['floor', 'accuracy']:.3f}, "
-          f"native {by_name.loc['native', 'accuracy']:.3f}, untrained `{a.raw}` {acc(raw)}\n")
-    print("| bridge | point | trained | over its strongest control (gained / lost, McNemar) "
-          "| mis-source control | answer-disjoint | its mis-source | zero-init = untrained, bit-exact |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    raw_family = a.raw not in by_name.index
+    if raw_family and not (s["family"] == a.raw).any():
+        sys.exit(f"{a.run}: `{a.raw}` is neither an arm nor a family of {source}")
+    head = f"{a.run} ({source}): n = {n}; floor {by_name.loc['floor', 'accuracy']:.3f}, " \
+           f"native {by_name.loc['native', 'accuracy']:.3f}"
+    print(head + (f"; untrained family `{a.raw}` beside each point\n" if raw_family
+                  else f", untrained `{a.raw}` {acc(by_name.loc[a.raw])}\n"))
+    extra = "".join(f" `{f}` |" for f in a.also)
+    print("| bridge | point |" + (" untrained |" if raw_family else "")
+          + " trained | over its strongest control (gained / lost, McNemar) "
+          "| mis-source control |" + extra + " answer-disjoint | its mis-source | zero-init = untrained, bit-exact |")
+    print("| --- " * (8 + raw_family + len(a.also)) + "|")
     for _, r in s[s["family"] == a.trained].iterrows():
         if r["base"].endswith("_disjoint"):
             continue
@@ -151,9 +163,16 @@ def main():
         gate = find("zero_init", r["bridge"], "{}")
         gate_t = "–" if gate is None or pd.isna(gate["bit_exact_items"]) else \
             f"{int(gate['bit_exact_items'])}/{int(gate['n_items'])}"
-        print(f"| `{r['bridge']}` | {r['rest'] if r['rest'] != '{}' else '–'} | {acc(r)} | {lift(r)} "
-              f"| {acc(mis, se=False) if mis is not None else '–'} "
-              f"| {acc(dis) if dis is not None else '–'} "
+        untrained = ""
+        if raw_family:
+            u = find(a.raw, None, r["rest"])
+            untrained = f"{acc(u) if u is not None else '–'} | "
+        also = "".join(
+            f"{acc(x, se=False) if x is not None else '–'} | "
+            for x in (find(f, r["bridge"], r["rest"]) for f in a.also))
+        print(f"| `{r['bridge']}` | {r['rest'] if r['rest'] != '{}' else '–'} | {untrained}{acc(r)} | {lift(r)} "
+              f"| {acc(mis, se=False) if mis is not None else '–'} | {also}"
+              f"{acc(dis) if dis is not None else '–'} "
               f"| {acc(dmis, se=False) if dmis is not None else '–'} | {gate_t} |")
     if a.seeds:
         over_seeds(a.run, a)
