@@ -325,6 +325,7 @@ pub fn build_fresh(
         scratch: &Default::default(),
         // A benchmark times whole builds: no resume.
         progress: None,
+        resumed_after: Default::default(),
     };
     let t = Instant::now();
     let train = kind.training_items(&cx.train)?;

@@ -365,8 +365,13 @@ pub struct ObtainedResource {
     pub hash: String,
     /// How it was obtained.
     pub obtained: Obtained,
-    /// Seconds its build took (when it was built).
+    /// Seconds its build took (when it was built), in the invocation that
+    /// finished it.
     pub build_seconds: f64,
+    /// The epoch its build resumed after, from the progress file of an
+    /// invocation cut short (`build_seconds` then leaves out the epochs
+    /// before it).
+    pub resumed_after_epoch: Option<usize>,
     /// Training items it was fitted on.
     pub items: Vec<String>,
     /// Why a cached copy was not used (when it was rebuilt): another
@@ -436,7 +441,7 @@ pub fn obtain_resources(
         let (name, spec, hash) = (&r.name, &r.spec, &r.hash);
         let kind = spec.kind();
         let ids: Vec<String> = r.items.iter().map(|i| i.item.id.clone()).collect();
-        let (value, obtained, secs, rejected, value_sha256) =
+        let (value, obtained, secs, rejected, value_sha256, resumed_after) =
             match store.load(spec, hash, &model_sha, cfg)? {
                 Ok((v, meta)) => {
                     tracing::info!(
@@ -451,6 +456,7 @@ pub fn obtain_resources(
                         meta.build_seconds,
                         None,
                         meta.value_sha256,
+                        meta.resumed_after_epoch,
                     )
                 }
                 Err(why) => {
@@ -478,11 +484,13 @@ pub fn obtain_resources(
                         holders,
                         scratch: &scratch,
                         progress: Some(store.progress_file(kind.kind(), hash)),
+                        resumed_after: Default::default(),
                     };
                     let t0 = Instant::now();
                     let v = kind.build(&cx, &r.items)?;
                     kind.check(&v, cfg)?;
                     let secs = t0.elapsed().as_secs_f64();
+                    let resumed = cx.resumed_after.get().copied();
                     let sum = store.save(
                         &v,
                         &Meta {
@@ -492,6 +500,7 @@ pub fn obtain_resources(
                             items: ids.clone(),
                             value_sha256: String::new(),
                             build_seconds: secs,
+                            resumed_after_epoch: resumed,
                         },
                     )?;
                     // Saved: the training progress is no longer needed.
@@ -501,8 +510,11 @@ pub fn obtain_resources(
                             tracing::warn!("removing {}: {e}", progress.display());
                         }
                     }
-                    tracing::info!("resource `{name}` built in {secs:.1} s ({hash})");
-                    (v, obtained, secs, rejected, sum)
+                    let how = resumed
+                        .map(|e| format!(" this invocation, resumed after epoch {e}"))
+                        .unwrap_or_default();
+                    tracing::info!("resource `{name}` built in {secs:.1} s{how} ({hash})");
+                    (v, obtained, secs, rejected, sum, resumed)
                 }
             };
         values.insert(name.clone(), value);
@@ -515,6 +527,7 @@ pub fn obtain_resources(
                 items: ids,
                 rejected,
                 value_sha256,
+                resumed_after_epoch: resumed_after,
                 eval_answers: train.eval.answer_mentions(&r.items),
             },
         );
@@ -561,6 +574,7 @@ pub(crate) fn resources_meta(
                     "obtained": o.obtained,
                     "rejected_cache": o.rejected,
                     "build_seconds": o.build_seconds,
+                    "build_resumed_after_epoch": o.resumed_after_epoch,
                     "training_items": o.items,
                     "eval_answers_in_training": o.eval_answers,
                     "summary": values

@@ -1701,6 +1701,7 @@ fn a_bridge_build_resumes_from_its_progress_file() {
         .unwrap()
     };
     let qb = meta("a")["resources"]["qb"].clone();
+    assert!(qb["build_resumed_after_epoch"].is_null(), "{qb}");
     let hash = qb["hash"].as_str().unwrap().to_string();
     let folder = cache.join(format!("bridge-{hash}"));
     let progress = cache.join(format!("bridge-{hash}.progress.safetensors"));
@@ -1751,6 +1752,17 @@ fn a_bridge_build_resumes_from_its_progress_file() {
     let b = meta("b")["resources"]["qb"].clone();
     assert_eq!(b["obtained"], "built");
     assert_eq!(b["summary"]["best_epoch"], 1);
+    // run.json and the cached copy's meta.json say the build resumed, so
+    // its build seconds are read as the last invocation's part.
+    assert_eq!(b["build_resumed_after_epoch"], 2);
+    let stored: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(stored["resumed_after_epoch"], 2);
+    // A later run loading it from the cache records the same.
+    sweep::run(&cfg, &opts("b2")).unwrap();
+    let b2 = meta("b2")["resources"]["qb"].clone();
+    assert_eq!(b2["obtained"], "cached");
+    assert_eq!(b2["build_resumed_after_epoch"], 2);
     assert!(!progress.exists(), "the progress outlived the saved bridge");
     let value =
         candle_core::safetensors::load(folder.join("value.safetensors"), &Device::Cpu).unwrap();
@@ -1775,6 +1787,7 @@ fn a_bridge_build_resumes_from_its_progress_file() {
     sweep::run(&cfg, &opts("c")).unwrap();
     let c = meta("c")["resources"]["qb"].clone();
     assert_eq!(c["obtained"], "built");
+    assert!(c["build_resumed_after_epoch"].is_null(), "{c}");
     assert_eq!(c["value_sha256"], qb["value_sha256"]);
     assert_eq!(c["summary"], qb["summary"]);
     assert!(!progress.exists());

@@ -655,13 +655,15 @@ fn slice_scores<E>(
 }
 
 /// What a training loop ends with: the initial parameters, the kept ones,
-/// the curve, the kept epoch and where it stopped early.
+/// the curve, the kept epoch, where it stopped early and the epoch its
+/// progress file let it resume after.
 struct Trained<S> {
     init: S,
     kept: S,
     curve: Vec<[f64; 4]>,
     best_epoch: usize,
     stopped: Option<(usize, usize)>,
+    resumed_after: Option<usize>,
 }
 
 /// The training loop every bridge shares: AdamW on `params`, `spec.batch`
@@ -718,6 +720,7 @@ fn train_loop<S: Clone>(
         },
         None => None,
     };
+    let resumed_after = saved.as_ref().map(|p| p.epoch);
     let (mut curve, mut best_epoch, mut kept, mut kept_params, first) = match saved {
         Some(p) => {
             let kept = match &p.kept {
@@ -826,6 +829,7 @@ fn train_loop<S: Clone>(
         curve,
         best_epoch,
         stopped,
+        resumed_after,
     })
 }
 
@@ -1073,6 +1077,7 @@ impl ResourceKind for BridgeSpec {
                 &|s: &Vec<RouterLayer>| slice_scores(&slice, &|e| router_score(model, e, &s[0])),
                 cx.progress.as_deref(),
             )?;
+            cx.note_resumed(done.resumed_after);
             return Ok(Arc::new(BridgeValue {
                 trained: Vec::new(),
                 init: Vec::new(),
@@ -1128,6 +1133,7 @@ impl ResourceKind for BridgeSpec {
             },
             cx.progress.as_deref(),
         )?;
+        cx.note_resumed(done.resumed_after);
         Ok(Arc::new(BridgeValue {
             trained: done.kept,
             init: done.init,
@@ -1643,7 +1649,9 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             (saved.epoch, saved.adam.step_t, saved.best_epoch),
             (3, 18, 2)
         );
+        assert_eq!(whole.resumed_after, None);
         let resumed = train(&fresh(), Some(&path), None, band).unwrap();
+        assert_eq!(resumed.resumed_after, Some(3));
         assert_eq!(bits(&resumed.kept), bits(&whole.kept));
         assert_eq!(bits(&resumed.init), bits(&whole.init));
         assert_eq!(resumed.best_epoch, whole.best_epoch);
@@ -1711,6 +1719,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         // as the uninterrupted one did.
         std::fs::write(&path, b"not a safetensors file").unwrap();
         let over = train(&fresh(), Some(&path), None, band).unwrap();
+        assert_eq!(over.resumed_after, None);
         assert_eq!(bits(&over.kept), bits(&whole.kept));
     }
 

@@ -117,6 +117,19 @@ pub struct BuildCx<'a> {
     /// a build cut short resumes there (a bridge's last finished epoch);
     /// `None` keeps none.
     pub progress: Option<PathBuf>,
+    /// The epoch a build resumed after, from its progress file (set by the
+    /// build; read by the sweep for `run.json`): its build seconds then
+    /// count only the last invocation's part.
+    pub resumed_after: std::sync::OnceLock<usize>,
+}
+
+impl BuildCx<'_> {
+    /// Records that the build resumed after `epoch` (when it did).
+    pub fn note_resumed(&self, epoch: Option<usize>) {
+        if let Some(e) = epoch {
+            let _ = self.resumed_after.set(e);
+        }
+    }
 }
 
 /// Work shared between resource builds of one invocation: values by key

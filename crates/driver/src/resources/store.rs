@@ -24,8 +24,13 @@ pub struct Meta {
     pub items: Vec<String>,
     /// sha256 of `value.safetensors`.
     pub value_sha256: String,
-    /// Seconds the build took.
+    /// Seconds the build took (in the invocation that finished it).
     pub build_seconds: f64,
+    /// The epoch the build resumed after, from a progress file an earlier
+    /// invocation left: `build_seconds` then leaves out the epochs before
+    /// it. Absent in files written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_after_epoch: Option<usize>,
 }
 
 /// How a resource was obtained in this run.
