@@ -20,6 +20,14 @@ with each seed's value, the same for its mis-source control and its
 answer-disjoint twin, and the zero-init gate's bit-exact count summed over
 seeds.
 
+A sender pool's untrained arm varies with the pool's N: `--raw` then names
+its family, read at each trained arm's point, and `--also` adds a control
+family read like the mis-source one (the masked-answer pool):
+
+    python3 scripts/readme/trained_table.py results/sender-pool-0.5b \
+        --trained pool_bridged --mis-source pool_bridged_distractors \
+        --also pool_bridged_masked --raw pool_raw
+
     cargo xtask report results/router-0.5b --seeds results/router-0.5b-seeds
     python3 scripts/readme/trained_table.py results/router-0.5b \
         --trained routed --mis-source routed_mismatch --raw pool_uniform [--seeds]
@@ -86,9 +94,10 @@ def over_seeds(run, a):
     seeds = sorted({int(x) for v in s["seeds"] for x in v})
     print(f"\nOver seeds ({f}: mean ± SD across seeds; each seed's value, seeds in order "
           + ", ".join(str(x) for x in seeds) + "):\n")
-    print("| bridge | point | seeds | trained | mis-source control | answer-disjoint | its mis-source "
-          "| zero-init = untrained, bit-exact |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    extra = "".join(f" `{f}` |" for f in a.also)
+    print("| bridge | point | seeds | trained | mis-source control |" + extra
+          + " answer-disjoint | its mis-source | zero-init = untrained, bit-exact |")
+    print("| --- " * (8 + len(a.also)) + "|")
     t = s[(s["family"] == a.trained) & ~s["bridge"].str.endswith("_disjoint")]
     for bridge, point in t[["bridge", "point"]].itertuples(index=False):
         tr, k = cell(a.trained, bridge, point)
@@ -96,9 +105,10 @@ def over_seeds(run, a):
         gate_t = "–" if gate.empty or gate["bit_exact_items"].isna().any() else \
             f"{int(gate['bit_exact_items'].sum())}/{int(gate['n_items_total'].sum())}"
         print(f"| `{bridge}` | {point if point != '{}' else '–'} | {k} | {tr} "
-              f"| {cell(a.mis_source, bridge, point)[0]} "
-              f"| {cell(a.trained, bridge + '_disjoint', point)[0]} "
-              f"| {cell(a.mis_source, bridge + '_disjoint', point)[0]} | {gate_t} |")
+              f"| {cell(a.mis_source, bridge, point)[0]} | "
+              + "".join(f"{cell(f, bridge, point)[0]} | " for f in a.also)
+              + f"{cell(a.trained, twin(bridge), point)[0]} "
+              f"| {cell(a.mis_source, twin(bridge), point)[0]} | {gate_t} |")
 
 
 def main():
