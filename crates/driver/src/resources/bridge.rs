@@ -189,6 +189,27 @@ impl BridgeSpec {
         )?)
     }
 
+    /// The initial router at `layer` (`d_model` x `rank` maps): the query
+    /// map zero, so every holder weighs alike (the uniform router), the key
+    /// map uniform in ±1/sqrt(d_model), drawn from the bridge's seed and the
+    /// layer. A saved router derives its initial maps from this instead of
+    /// storing them.
+    fn init_router(&self, d_model: usize, rank: usize, layer: usize) -> Result<RouterLayer> {
+        Ok(RouterLayer {
+            layer,
+            wq: Tensor::zeros((d_model, rank), DType::F32, &Device::Cpu)?,
+            wk: Tensor::from_vec(
+                tolerable_carrier::uniform_symmetric(
+                    d_model * rank,
+                    1.0 / (d_model as f64).sqrt(),
+                    crate::exec::mix(self.seed, &[layer as u64, 0x7017E]),
+                ),
+                (d_model, rank),
+                &Device::Cpu,
+            )?,
+        })
+    }
+
     fn projections(&self) -> Vec<Projection> {
         match self.targets {
             BridgeTargets::Q => vec![Projection::Q],
@@ -1035,20 +1056,8 @@ impl ResourceKind for BridgeSpec {
             let train = examples(cx, &group, self, &plan, &set, tr, "training", &make)?;
             let slice = examples(cx, &group, self, &plan, &set, sl, "slice", &make)?;
             let layer = train.first().map(|e| e.layer).unwrap_or(0);
-            let wq = Var::from_tensor(&Tensor::zeros(
-                (cfg.d_model, self.rank),
-                DType::F32,
-                &Device::Cpu,
-            )?)?;
-            let wk = Var::from_tensor(&Tensor::from_vec(
-                tolerable_carrier::uniform_symmetric(
-                    cfg.d_model * self.rank,
-                    1.0 / (cfg.d_model as f64).sqrt(),
-                    crate::exec::mix(self.seed, &[layer as u64, 0x7017E]),
-                ),
-                (cfg.d_model, self.rank),
-                &Device::Cpu,
-            )?)?;
+            let r0 = self.init_router(cfg.d_model, self.rank, layer)?;
+            let (wq, wk) = (Var::from_tensor(&r0.wq)?, Var::from_tensor(&r0.wk)?);
             let live = || RouterLayer {
                 layer,
                 wq: wq.as_tensor().clone(),
@@ -1163,11 +1172,17 @@ impl ResourceKind for BridgeSpec {
             let key = format!("init_sum.{}.{}", ad.layer, proj_name(ad.projection));
             map.insert(key, Tensor::new(&[a_sum(&ad.a)?], &Device::Cpu)?);
         }
-        for (tag, routers) in [("trained", &v.router), ("init", &v.init_router)] {
-            for r in routers.iter() {
-                map.insert(format!("router.{tag}.{}.wq", r.layer), r.wq.clone());
-                map.insert(format!("router.{tag}.{}.wk", r.layer), r.wk.clone());
-            }
+        // A router likewise: its trained maps, and the sum of each initial
+        // key map (the initial query map is zero).
+        for r in v.router.iter() {
+            map.insert(format!("router.trained.{}.wq", r.layer), r.wq.clone());
+            map.insert(format!("router.trained.{}.wk", r.layer), r.wk.clone());
+        }
+        for r in v.init_router.iter() {
+            map.insert(
+                format!("router.init_sum.{}.wk", r.layer),
+                Tensor::new(&[a_sum(&r.wk)?], &Device::Cpu)?,
+            );
         }
         map.insert("curve".into(), super::progress::curve_tensor(&v.curve)?);
         map.insert(
@@ -1281,13 +1296,34 @@ impl ResourceKind for BridgeSpec {
         router_layers.sort();
         let (mut router, mut init_router) = (Vec::new(), Vec::new());
         for l in router_layers {
-            for (tag, out) in [("trained", &mut router), ("init", &mut init_router)] {
-                out.push(RouterLayer {
+            let trained = RouterLayer {
+                layer: l,
+                wq: get(&format!("router.trained.{l}.wq"))?,
+                wk: get(&format!("router.trained.{l}.wk"))?,
+            };
+            let init = if map.contains_key(&format!("router.init.{l}.wq")) {
+                // Files saved before the initial maps were derived store them.
+                RouterLayer {
                     layer: l,
-                    wq: get(&format!("router.{tag}.{l}.wq"))?,
-                    wk: get(&format!("router.{tag}.{l}.wk"))?,
-                });
-            }
+                    wq: get(&format!("router.init.{l}.wq"))?,
+                    wk: get(&format!("router.init.{l}.wk"))?,
+                }
+            } else {
+                // The file's own shapes, as for adapters.
+                let (d_model, rank) = trained.wq.dims2()?;
+                let r0 = self.init_router(d_model, rank, l)?;
+                let want = get(&format!("router.init_sum.{l}.wk"))?.to_vec1::<f64>()?;
+                let got = a_sum(&r0.wk)?;
+                if want.len() != 1 || want[0].to_bits() != got.to_bits() {
+                    return Err(DriverError::Records(format!(
+                        "{}: the initial router at layer {l} derived from the seed sums to {got}, the saved bridge's to {want:?}: the initialisation changed since it was trained",
+                        path.display()
+                    )));
+                }
+                r0
+            };
+            router.push(trained);
+            init_router.push(init);
         }
         Ok(Arc::new(BridgeValue {
             trained,
@@ -1539,6 +1575,90 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             })
             .collect();
         same(&back.init, &shifted);
+    }
+
+    /// A saved router keeps its trained maps and derives its initial ones
+    /// from the seed (zero query map, seeded key map), as adapters do: no
+    /// initial maps in the file, the loaded ones the training's starting
+    /// bits, another seed refused by name, the older format still loaded.
+    #[test]
+    fn a_saved_router_derives_its_initial_maps_from_the_seed() {
+        let spec: BridgeSpec = toml::from_str(
+            r#"
+targets = "router"
+rank = 4
+seed = 5
+arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", source = "holder", mechanism = "append" }] }
+"#,
+        )
+        .unwrap();
+        let (d, l) = (12usize, 3usize);
+        let init = spec.init_router(d, spec.rank, l).unwrap();
+        let trained = RouterLayer {
+            layer: l,
+            wq: (&init.wk * 0.5).unwrap(),
+            wk: (&init.wk * 1.5).unwrap(),
+        };
+        let value: Value = Arc::new(BridgeValue {
+            trained: Vec::new(),
+            init: Vec::new(),
+            curve: vec![[0.0, f64::NAN, 1.0, 0.5]],
+            best_epoch: 0,
+            stopped: None,
+            router: vec![trained.clone()],
+            init_router: vec![init.clone()],
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("value.safetensors");
+        spec.save(&value, &path).unwrap();
+        let map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+        assert!(
+            !map.keys().any(|k| k.starts_with("router.init.")),
+            "{:?}",
+            map.keys()
+        );
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        };
+        let same = |x: &RouterLayer, y: &RouterLayer| {
+            assert_eq!(x.layer, y.layer);
+            assert_eq!(bits(&x.wq), bits(&y.wq));
+            assert_eq!(bits(&x.wk), bits(&y.wk));
+            assert_eq!(x.wq.dims(), y.wq.dims());
+        };
+        let back = spec.load(&path).unwrap();
+        let back: &BridgeValue = super::super::bank::downcast(&back, "bridge").unwrap();
+        same(&back.router[0], &trained);
+        same(&back.init_router[0], &init);
+        // Another seed draws another initial key map: refused by name.
+        let other = BridgeSpec {
+            seed: 6,
+            ..spec.clone()
+        };
+        let e = other.load(&path).unwrap_err().to_string();
+        assert!(e.contains("the initialisation changed"), "{e}");
+        // The older format: initial maps stored, loaded as they are.
+        let mut old = map.clone();
+        old.retain(|k, _| !k.starts_with("router.init_sum."));
+        let shifted = RouterLayer {
+            layer: l,
+            wq: (&init.wq + 0.25).unwrap(),
+            wk: (&init.wk + 0.25).unwrap(),
+        };
+        old.insert(format!("router.init.{l}.wq"), shifted.wq.clone());
+        old.insert(format!("router.init.{l}.wk"), shifted.wk.clone());
+        let old_path = dir.path().join("old.safetensors");
+        candle_core::safetensors::save(&old, &old_path).unwrap();
+        let back = other.load(&old_path).unwrap();
+        let back: &BridgeValue = super::super::bank::downcast(&back, "bridge").unwrap();
+        same(&back.router[0], &trained);
+        same(&back.init_router[0], &shifted);
     }
 
     /// A training cut short after an epoch resumes from its progress file
