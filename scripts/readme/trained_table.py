@@ -22,11 +22,14 @@ seeds.
 
 A sender pool's untrained arm varies with the pool's N: `--raw` then names
 its family, read at each trained arm's point, and `--also` adds a control
-family read like the mis-source one (the masked-answer pool):
+family read like the mis-source one (the masked-answer pool); a zero-init
+gate is printed on the row of the point it is held at (its `expect` arm's):
 
     python3 scripts/readme/trained_table.py results/sender-pool-0.5b \
         --trained pool_bridged --mis-source pool_bridged_distractors \
         --also pool_bridged_masked --raw pool_raw
+
+A trained router's rows, over its seeds:
 
     cargo xtask report results/router-0.5b --seeds results/router-0.5b-seeds
     python3 scripts/readme/trained_table.py results/router-0.5b \
@@ -71,7 +74,13 @@ def annotate(s):
     return s
 
 
-def over_seeds(run, a):
+def point_rest(point):
+    """A point without its bridge resource, as `annotate`'s `rest`."""
+    return json.dumps({k: v for k, v in json.loads(point).items() if k != "bridge.resource"},
+                      sort_keys=True)
+
+
+def over_seeds(run, a, gate_rest):
     """The second table: each bridge's figures across seeds, as `cargo xtask
     report RUN --seeds OTHER` combined them (`seeds.parquet`)."""
     for f in ("seeds.parquet", "seeds-interim.parquet"):
@@ -104,6 +113,10 @@ def over_seeds(run, a):
         gate = s[(s["family"] == "zero_init") & (s["bridge"] == bridge)]
         gate_t = "–" if gate.empty or gate["bit_exact_items"].isna().any() else \
             f"{int(gate['bit_exact_items'].sum())}/{int(gate['n_items_total'].sum())}"
+        # The gate is one arm at one point (a pool's N = 4): on that row only.
+        gp = gate_rest(base_of(bridge))
+        if gp is not None and gp != point_rest(point):
+            gate_t = "–"
         print(f"| `{bridge}` | {point if point != '{}' else '–'} | {k} | {tr} "
               f"| {cell(a.mis_source, bridge, point)[0]} | "
               + "".join(f"{cell(f, bridge, point)[0]} | " for f in a.also)
@@ -143,6 +156,16 @@ def main():
         m = s[(s["family"] == family) & same & (s["rest"] == rest)]
         return None if m.empty else m.iloc[0]
 
+    def gate_rest(bridge):
+        """The point of the arm the bridge's zero-init gate is held equal to
+        (its `expect`), or None when the run does not say."""
+        g = find("zero_init", bridge, "{}")
+        if g is None:
+            return None
+        e = json.loads(g["arm_json"]).get("expect", {}).get("arm")
+        m = s[s["arm"] == e]
+        return None if e is None or m.empty else m.iloc[0]["rest"]
+
     def fmt_p(p):
         return "1" if p >= 0.9995 else (f"{p:.3f}" if p >= 0.001 else f"{p:.1e}")
 
@@ -173,6 +196,10 @@ def main():
         gate = find("zero_init", r["bridge"], "{}")
         gate_t = "–" if gate is None or pd.isna(gate["bit_exact_items"]) else \
             f"{int(gate['bit_exact_items'])}/{int(gate['n_items'])}"
+        # The gate is one arm at one point (a pool's N = 4): on that row only.
+        gp = gate_rest(r["bridge"])
+        if gp is not None and gp != r["rest"]:
+            gate_t = "–"
         untrained = ""
         if raw_family:
             u = find(a.raw, None, r["rest"])
@@ -185,7 +212,7 @@ def main():
               f"{acc(dis) if dis is not None else '–'} "
               f"| {acc(dmis, se=False) if dmis is not None else '–'} | {gate_t} |")
     if a.seeds:
-        over_seeds(a.run, a)
+        over_seeds(a.run, a, gate_rest)
 
 
 if __name__ == "__main__":
