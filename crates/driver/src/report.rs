@@ -342,9 +342,15 @@ fn render(
             "Resources (fitted on training items, cached by content hash):\n"
         );
         for (name, r) in res {
+            // A build resumed from an earlier invocation's progress timed
+            // only its own part.
+            let resumed = r["build_resumed_after_epoch"]
+                .as_u64()
+                .map(|e| format!(" in its last invocation, resumed after epoch {e}"))
+                .unwrap_or_default();
             let _ = writeln!(
                 md,
-                "- `{name}`: {} hash `{}`, {} ({} training items, built in {:.1} s)",
+                "- `{name}`: {} hash `{}`, {} ({} training items, built in {:.1} s{resumed})",
                 r["spec"]["kind"].as_str().unwrap_or("?"),
                 r["hash"].as_str().unwrap_or("?"),
                 r["obtained"].as_str().unwrap_or("?"),

@@ -1758,6 +1758,14 @@ fn a_bridge_build_resumes_from_its_progress_file() {
     let stored: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(folder.join("meta.json")).unwrap()).unwrap();
     assert_eq!(stored["resumed_after_epoch"], 2);
+    // The report says its build time is the last invocation's part.
+    let md =
+        std::fs::read_to_string(tolerable_driver::report::write(&dir.path().join("b")).unwrap())
+            .unwrap();
+    assert!(
+        md.contains("in its last invocation, resumed after epoch 2"),
+        "{md}"
+    );
     // A later run loading it from the cache records the same.
     sweep::run(&cfg, &opts("b2")).unwrap();
     let b2 = meta("b2")["resources"]["qb"].clone();
@@ -2531,7 +2539,10 @@ fn a_trained_router_learns_its_pool_weights_and_starts_as_the_uniform_router() {
             "{a}"
         );
     }
-    // The zero-init gate holds on the derived initial maps too.
+    // The zero-init gate holds on the derived initial maps too (this shows
+    // the derived query map is zero; with it every key map gives the
+    // uniform router, so the key map's derivation is the unit test's
+    // sum check to guard).
     let (names, cached) = self::rows(&dir.path().join("b/items/cell-00000.parquet"));
     let arm = col(&names, &cached, "arm");
     let exact = col(&names, &cached, "bit_exact");

@@ -38,8 +38,10 @@
 //! The value holds the kept adapters, the initial ones and the training
 //! curve (epoch, mean training loss, slice loss, slice first-token
 //! accuracy), which `run.json` records. Its file stores the kept adapters
-//! and the curve; the initial adapters are derived from the seed on load
-//! (files written before e8f579b store them too).
+//! (or a router's kept maps) and the curve; the initial adapters and
+//! router maps are derived from the seed on load and checked against the
+//! sums the file keeps (files written before e8f579b store the initial
+//! adapters, and before 735c13d the initial router maps).
 
 use super::progress::Progress;
 use super::{sample_training, BuildCx, ResourceKind, ResourceSpec, TrainCx, Value};
@@ -331,7 +333,8 @@ pub struct BridgeValue {
     /// The trained router's maps of the kept epoch (a bridge of `targets =
     /// "router"`; empty otherwise).
     pub router: Vec<RouterLayer>,
-    /// The router's maps before the first step (W_q = 0: uniform weights).
+    /// The router's maps before the first step (W_q = 0: uniform weights;
+    /// derived from the seed on load, not stored).
     pub init_router: Vec<RouterLayer>,
 }
 
