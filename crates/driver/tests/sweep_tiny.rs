@@ -2490,15 +2490,7 @@ fn a_trained_router_learns_its_pool_weights_and_starts_as_the_uniform_router() {
     assert!(curve[1]["train_loss"].as_f64().unwrap().is_finite());
     // The zero-init gate: before any step the router is the uniform one,
     // bit for bit, on every item.
-    let (names, rows) = rows(&out.join("items/cell-00000.parquet"));
-    let arm = col(&names, &rows, "arm");
-    let exact = col(&names, &rows, "bit_exact");
-    assert!(arm.iter().any(|a| a == "routed_init"));
-    for (i, a) in arm.iter().enumerate() {
-        if a == "routed_init" {
-            assert_eq!(exact[i], "true", "row {i}");
-        }
-    }
+    assert!(gated_rows_exact(&out, &["routed_init"]) > 0);
     // The trained maps are not the initial ones (W_q moved off zero), and
     // they survive the cache: a second run loads them and writes the same
     // continuations.
@@ -2543,15 +2535,7 @@ fn a_trained_router_learns_its_pool_weights_and_starts_as_the_uniform_router() {
     // the derived query map is zero; with it every key map gives the
     // uniform router, so the key map's derivation is the unit test's
     // sum check to guard).
-    let (names, cached) = self::rows(&dir.path().join("b/items/cell-00000.parquet"));
-    let arm = col(&names, &cached, "arm");
-    let exact = col(&names, &cached, "bit_exact");
-    assert!(arm.iter().any(|a| a == "routed_init"));
-    for (i, a) in arm.iter().enumerate() {
-        if a == "routed_init" {
-            assert_eq!(exact[i], "true", "cached run, row {i}");
-        }
-    }
+    assert!(gated_rows_exact(&dir.path().join("b"), &["routed_init"]) > 0);
 
     // Bad input, named before any work.
     let text = std::fs::read_to_string(&cfg).unwrap();
