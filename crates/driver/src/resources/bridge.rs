@@ -614,6 +614,21 @@ fn a_sum(t: &Tensor) -> Result<f64> {
         .sum())
 }
 
+/// Refuses a derived initial tensor (`what`, from `path`'s bridge) whose
+/// sum is not the one the file kept: the seed's draw changed since the
+/// bridge was trained.
+fn check_init_sum(path: &Path, what: &str, stored: &Tensor, derived: &Tensor) -> Result<()> {
+    let want = stored.to_vec1::<f64>()?;
+    let got = a_sum(derived)?;
+    if want.len() != 1 || want[0].to_bits() != got.to_bits() {
+        return Err(DriverError::Records(format!(
+            "{}: {what} derived from the seed sums to {got}, the saved bridge's to {want:?}: the initialisation changed since it was trained",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Loss and first-token hit of one example under `spec`.
 fn score(model: &Model, ex: &Example, spec: &HookSpec) -> Result<(Tensor, bool)> {
     question_score(model, ex.cache.clone(), &ex.question, ex.target, spec)
@@ -1258,15 +1273,12 @@ impl ResourceKind for BridgeSpec {
                 let (d_model, rank) = a.dims2()?;
                 let a0 = self.init_a(d_model, rank, l, p)?;
                 let b0 = b.zeros_like()?;
-                let want = get(&format!("init_sum.{l}.{}", proj_name(p)))?.to_vec1::<f64>()?;
-                let got = a_sum(&a0)?;
-                if want.len() != 1 || want[0].to_bits() != got.to_bits() {
-                    return Err(DriverError::Records(format!(
-                        "{}: the initial adapter at layer {l} ({}) derived from the seed sums to {got}, the saved bridge's to {want:?}: the initialisation changed since it was trained",
-                        path.display(),
-                        proj_name(p)
-                    )));
-                }
+                check_init_sum(
+                    path,
+                    &format!("the initial adapter at layer {l} ({})", proj_name(p)),
+                    &get(&format!("init_sum.{l}.{}", proj_name(p)))?,
+                    &a0,
+                )?;
                 (a0, b0)
             };
             trained.push(Adapter {
@@ -1315,14 +1327,12 @@ impl ResourceKind for BridgeSpec {
                 // The file's own shapes, as for adapters.
                 let (d_model, rank) = trained.wq.dims2()?;
                 let r0 = self.init_router(d_model, rank, l)?;
-                let want = get(&format!("router.init_sum.{l}.wk"))?.to_vec1::<f64>()?;
-                let got = a_sum(&r0.wk)?;
-                if want.len() != 1 || want[0].to_bits() != got.to_bits() {
-                    return Err(DriverError::Records(format!(
-                        "{}: the initial router at layer {l} derived from the seed sums to {got}, the saved bridge's to {want:?}: the initialisation changed since it was trained",
-                        path.display()
-                    )));
-                }
+                check_init_sum(
+                    path,
+                    &format!("the initial router at layer {l}"),
+                    &get(&format!("router.init_sum.{l}.wk"))?,
+                    &r0.wk,
+                )?;
                 r0
             };
             router.push(trained);
@@ -1463,6 +1473,17 @@ impl ResourceKind for BridgeSpec {
 mod tests {
     use super::*;
 
+    /// A tensor's f32 values as bits, for bit-for-bit comparisons.
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
     /// A saved bridge keeps its trained adapters and derives its initial
     /// ones from the seed: the file holds no initial tensors, the loaded
     /// ones are the bits the training started from, a file whose recorded
@@ -1524,15 +1545,6 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             "{:?}",
             map.keys()
         );
-        let bits = |t: &Tensor| -> Vec<u32> {
-            t.flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect()
-        };
         let same = |x: &[Adapter], y: &[Adapter]| {
             assert_eq!(x.len(), y.len());
             for (x, y) in x.iter().zip(y) {
@@ -1620,15 +1632,6 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             "{:?}",
             map.keys()
         );
-        let bits = |t: &Tensor| -> Vec<u32> {
-            t.flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect()
-        };
         let same = |x: &RouterLayer, y: &RouterLayer| {
             assert_eq!(x.layer, y.layer);
             assert_eq!(bits(&x.wq), bits(&y.wq));
@@ -1710,12 +1713,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
                 &targets.index_select(&idx, 0)?,
             )?)
         };
-        let bits = |ts: &[Tensor]| -> Vec<u32> {
-            ts.iter()
-                .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
-                .map(f32::to_bits)
-                .collect()
-        };
+        let bits = |ts: &[Tensor]| -> Vec<u32> { ts.iter().flat_map(bits).collect() };
         // Trains `vars`; `fail_at` makes the step of that call number fail
         // (the process dies mid-epoch). The slice is the training loss; its
         // accuracy is 1 inside `band` and 0 outside, so that the kept epoch
