@@ -63,21 +63,18 @@ def twin(bridge):
     return base + "_disjoint" + bridge[len(base):]
 
 
+def point_rest(point):
+    """A point without its bridge resource, the `rest` that rows are matched on."""
+    return json.dumps({k: v for k, v in json.loads(point).items() if k != "bridge.resource"},
+                      sort_keys=True)
+
+
 def annotate(s):
     s = s.copy()
     s["bridge"] = [json.loads(j).get("bridge", {}).get("resource") for j in s["arm_json"]]
     s["base"] = [base_of(b) for b in s["bridge"]]
-    s["rest"] = [
-        json.dumps({k: v for k, v in json.loads(p).items() if k != "bridge.resource"}, sort_keys=True)
-        for p in s["point"]
-    ]
+    s["rest"] = [point_rest(p) for p in s["point"]]
     return s
-
-
-def point_rest(point):
-    """A point without its bridge resource, as `annotate`'s `rest`."""
-    return json.dumps({k: v for k, v in json.loads(point).items() if k != "bridge.resource"},
-                      sort_keys=True)
 
 
 def over_seeds(run, a, gate_rest):
