@@ -711,18 +711,20 @@ struct Trained<S> {
 /// epoch, the best epoch (slice accuracy, then loss) kept; a non-finite
 /// loss stops training. With `progress`, each finished epoch is saved
 /// there and a training that finds a usable file resumes after its epoch
-/// (the same bits as one uninterrupted run).
+/// (the same bits as one uninterrupted run). `params` are named, in
+/// training order; a progress file of other names is not used.
 #[allow(clippy::too_many_arguments)]
 fn train_loop<S: Clone>(
     spec: &BridgeSpec,
     field: &str,
     n_train: usize,
-    params: Vec<Var>,
+    params: Vec<(String, Var)>,
     snapshot: &dyn Fn() -> Result<S>,
     step_loss: &dyn Fn(&[usize]) -> Result<Tensor>,
     slice: &dyn Fn(&S) -> Result<(f64, f64)>,
     progress: Option<&Path>,
 ) -> Result<Trained<S>> {
+    let (names, params): (Vec<String>, Vec<Var>) = params.into_iter().unzip();
     let mut opt = super::optim::AdamW::new(
         params.clone(),
         candle_nn::ParamsAdamW {
@@ -746,7 +748,7 @@ fn train_loop<S: Clone>(
             .collect()
     };
     let saved = match progress {
-        Some(path) => match Progress::load(path, &params, spec.epochs)? {
+        Some(path) => match Progress::load(path, &names, &params, spec.epochs)? {
             Some(Ok(p)) => Some(p),
             Some(Err(why)) => {
                 tracing::warn!(
@@ -846,6 +848,7 @@ fn train_loop<S: Clone>(
         if let Some(path) = progress {
             let p = Progress {
                 epoch,
+                names: names.clone(),
                 params: copy_all()?,
                 adam: opt.state()?,
                 kept: kept_params.clone(),
@@ -1092,7 +1095,10 @@ impl ResourceKind for BridgeSpec {
                 self,
                 &field,
                 train.len(),
-                vec![wq.clone(), wk.clone()],
+                vec![
+                    (format!("router.{layer}.wq"), wq.clone()),
+                    (format!("router.{layer}.wk"), wk.clone()),
+                ],
                 &snapshot,
                 &|batch| match batch {
                     [i] => Ok(router_score(&diff, &train[*i], &live())?.0),
@@ -1141,7 +1147,13 @@ impl ResourceKind for BridgeSpec {
         let scale = self.scale();
         let params = vars
             .iter()
-            .flat_map(|(_, _, a, b)| [a.clone(), b.clone()])
+            .flat_map(|(l, p, a, b)| {
+                let at = format!("adapter.{l}.{}", proj_name(*p));
+                [
+                    (format!("{at}.a"), a.clone()),
+                    (format!("{at}.b"), b.clone()),
+                ]
+            })
             .collect();
         let done = train_loop(
             self,
@@ -1693,6 +1705,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         )
         .unwrap();
         let targets = Tensor::new(&[0u32, 1, 1, 0, 1, 0, 0, 1], &Device::Cpu).unwrap();
+        let names: Vec<String> = vec!["w1".into(), "w2".into()];
         let fresh = || -> Vec<Var> {
             [(3usize, 5usize), (5, 2)]
                 .iter()
@@ -1730,7 +1743,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
                     &spec,
                     "[resources.test]",
                     6,
-                    vars.to_vec(),
+                    names.iter().cloned().zip(vars.iter().cloned()).collect(),
                     &snapshot,
                     &|batch| {
                         calls.set(calls.get() + 1);
@@ -1762,7 +1775,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         // the kept parameters (epoch 2) among them.
         let err = train(&fresh(), Some(&path), Some(21), band).err().unwrap();
         assert!(err.to_string().contains("killed"));
-        let saved = Progress::load(&path, &fresh(), 4)
+        let saved = Progress::load(&path, &names, &fresh(), 4)
             .unwrap()
             .unwrap()
             .unwrap();
@@ -1781,7 +1794,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         assert_eq!(curve_bits(&resumed.curve), curve_bits(&whole.curve));
         // Resumed after epoch 3 of 4 with the optimizer state of a fresh
         // optimizer, the last epoch goes elsewhere: the moments matter.
-        let mut no_moments = Progress::load(&path, &fresh(), 4)
+        let mut no_moments = Progress::load(&path, &names, &fresh(), 4)
             .unwrap()
             .unwrap()
             .unwrap();
@@ -1811,14 +1824,40 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             Var::zeros((2, 2), DType::F32, &Device::Cpu).unwrap(),
             Var::zeros((5, 2), DType::F32, &Device::Cpu).unwrap(),
         ];
-        let why = Progress::load(&path, &other, 4)
+        let why = Progress::load(&path, &names, &other, 4)
             .unwrap()
             .unwrap()
             .err()
             .unwrap();
         assert!(why.contains("param.0"), "{why}");
+        // Nor a file of the same shapes saved for parameters in another
+        // order or of other names.
+        let swapped: Vec<String> = vec!["w2".into(), "w1".into()];
+        let why = Progress::load(&path, &swapped, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .err()
+            .unwrap();
+        assert!(
+            why.contains("w1 .. w2") && why.contains("position 0"),
+            "{why}"
+        );
+        // A file written before the layout was kept is read by position.
+        let saved_last = Progress::load(&path, &names, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let mut map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+        assert!(map.remove("layout").is_some());
+        let unnamed = dir.path().join("bridge-u.progress.safetensors");
+        candle_core::safetensors::save(&map, &unnamed).unwrap();
+        let old = Progress::load(&unnamed, &swapped, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(bits(&old.params), bits(&saved_last.params));
         // Nor a file of more epochs than the training has.
-        assert!(Progress::load(&path, &fresh(), 3)
+        assert!(Progress::load(&path, &names, &fresh(), 3)
             .unwrap()
             .unwrap()
             .is_err());
@@ -1830,7 +1869,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         );
         let odd = dir.path().join("bridge-z.progress.safetensors");
         candle_core::safetensors::save(&map, &odd).unwrap();
-        let why = Progress::load(&odd, &fresh(), 4)
+        let why = Progress::load(&odd, &names, &fresh(), 4)
             .unwrap()
             .unwrap()
             .err()

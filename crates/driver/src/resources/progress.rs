@@ -8,7 +8,11 @@
 //! (best) epoch and its parameters. The epochs' shuffled orders are replayed
 //! from the seed, so a resumed training gives the bits an uninterrupted one
 //! gives. The resource hash in the file name covers the spec and the
-//! receiver; the file is removed once the resource is saved.
+//! receiver; the file is removed once the resource is saved. The file names
+//! the parameters in training order (`layout`), so that a training whose
+//! code orders them otherwise sets the file aside instead of reading one
+//! parameter's values into another of the same shape; files written before
+//! the names were kept are read by position, shapes checked.
 
 use super::optim::AdamState;
 use crate::error::{DriverError, Result};
@@ -20,6 +24,9 @@ use std::path::Path;
 pub struct Progress {
     /// Epochs finished.
     pub epoch: usize,
+    /// The parameters' names, in training order (a layer's A and B of a
+    /// projection, a router's W_q and W_k).
+    pub names: Vec<String>,
     /// The parameters after `epoch`, in training order.
     pub params: Vec<Tensor>,
     /// The optimizer's state after `epoch`.
@@ -52,6 +59,12 @@ impl Progress {
             map.insert(format!("kept.{i}"), t.clone());
         }
         map.insert("curve".into(), curve_tensor(&self.curve)?);
+        let layout = self.names.join("\n").into_bytes();
+        let len = layout.len();
+        map.insert(
+            "layout".into(),
+            Tensor::from_vec(layout, len, &Device::Cpu)?,
+        );
         map.insert(
             "counts".into(),
             Tensor::new(
@@ -100,28 +113,61 @@ impl Progress {
         written
     }
 
-    /// The progress at `path` for training `params` over at most `epochs`
-    /// epochs: `Ok(None)` when there is none, `Err(why)` inside `Ok` when
-    /// the file is there but cannot be used (unreadable, other parameter
-    /// shapes, more epochs than the training has).
+    /// The progress at `path` for training `params`, named `names`, over at
+    /// most `epochs` epochs: `Ok(None)` when there is none, `Err(why)` inside
+    /// `Ok` when the file is there but cannot be used (unreadable, other
+    /// parameter names or shapes, more epochs than the training has).
     pub fn load(
         path: &Path,
+        names: &[String],
         params: &[Var],
         epochs: usize,
     ) -> Result<Option<std::result::Result<Progress, String>>> {
         if !path.exists() {
             return Ok(None);
         }
-        Ok(Some(Self::read(path, params, epochs)))
+        Ok(Some(Self::read(path, names, params, epochs)))
     }
 
-    fn read(path: &Path, params: &[Var], epochs: usize) -> std::result::Result<Progress, String> {
+    fn read(
+        path: &Path,
+        names: &[String],
+        params: &[Var],
+        epochs: usize,
+    ) -> std::result::Result<Progress, String> {
         let map = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| e.to_string())?;
         let get = |k: &str| {
             map.get(k)
                 .cloned()
                 .ok_or_else(|| format!("no tensor `{k}`"))
         };
+        // Files written before the layout was kept: by position.
+        if let Some(layout) = map.get("layout") {
+            let bytes = layout.to_vec1::<u8>().map_err(|e| e.to_string())?;
+            let saved = String::from_utf8(bytes).map_err(|e| format!("`layout`: {e}"))?;
+            let saved: Vec<&str> = match saved.as_str() {
+                "" => Vec::new(),
+                s => s.split('\n').collect(),
+            };
+            if saved != names.iter().map(String::as_str).collect::<Vec<_>>() {
+                let show = |v: &[&str]| match v {
+                    [] => "none".to_string(),
+                    [one] => one.to_string(),
+                    [first, .., last] => format!("{first} .. {last} ({})", v.len()),
+                };
+                let want: Vec<&str> = names.iter().map(String::as_str).collect();
+                let at = saved
+                    .iter()
+                    .zip(&want)
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(saved.len().min(want.len()));
+                return Err(format!(
+                    "its parameters are {}, the training's {}; the first difference at position {at}",
+                    show(&saved),
+                    show(&want)
+                ));
+            }
+        }
         let counts = get("counts")?.to_vec1::<u32>().map_err(|e| e.to_string())?;
         let [epoch, step_t, best_epoch] = counts[..] else {
             return Err(format!("`counts` holds {} values, not 3", counts.len()));
@@ -162,6 +208,7 @@ impl Progress {
         }
         Ok(Progress {
             epoch,
+            names: names.to_vec(),
             params: list("param")?,
             adam: AdamState {
                 first: list("first")?,
