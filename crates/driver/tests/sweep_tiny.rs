@@ -1734,8 +1734,15 @@ fn a_bridge_build_resumes_from_its_progress_file() {
         [1.0, 1.5, 1.0, 0.5],
         [2.0, 1.2, 1.1, 0.5],
     ];
+    // Named as the training names its parameters (a file of other names
+    // would be set aside).
+    let names: Vec<String> = layers
+        .iter()
+        .flat_map(|l| ["a", "b"].map(|w| format!("adapter.{l}.q.{w}")))
+        .collect();
     let planted = Progress {
         epoch: 2,
+        names,
         params: trained.clone(),
         adam: AdamState {
             first: zeros.clone(),
