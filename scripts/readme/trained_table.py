@@ -77,6 +77,13 @@ def annotate(s):
     return s
 
 
+def on_gate_row(gate_t, gate_point, row_point):
+    """The gate cell of a row: a zero-init gate is one arm at one point (a
+    pool's N = 4), so it is printed on that point's row only ("–" on the
+    others); a gate held at no particular point is printed on every row."""
+    return gate_t if gate_point is None or gate_point == row_point else "–"
+
+
 def over_seeds(run, a, gate_rest):
     """The second table: each bridge's figures across seeds, as `cargo xtask
     report RUN --seeds OTHER` combined them (`seeds.parquet`)."""
@@ -110,10 +117,7 @@ def over_seeds(run, a, gate_rest):
         gate = s[(s["family"] == "zero_init") & (s["bridge"] == bridge)]
         gate_t = "–" if gate.empty or gate["bit_exact_items"].isna().any() else \
             f"{int(gate['bit_exact_items'].sum())}/{int(gate['n_items_total'].sum())}"
-        # The gate is one arm at one point (a pool's N = 4): on that row only.
-        gp = gate_rest(base_of(bridge))
-        if gp is not None and gp != point_rest(point):
-            gate_t = "–"
+        gate_t = on_gate_row(gate_t, gate_rest(base_of(bridge)), point_rest(point))
         print(f"| `{bridge}` | {point if point != '{}' else '–'} | {k} | {tr} "
               f"| {cell(a.mis_source, bridge, point)[0]} | "
               + "".join(f"{cell(f, bridge, point)[0]} | " for f in a.also)
@@ -193,10 +197,7 @@ def main():
         gate = find("zero_init", r["bridge"], "{}")
         gate_t = "–" if gate is None or pd.isna(gate["bit_exact_items"]) else \
             f"{int(gate['bit_exact_items'])}/{int(gate['n_items'])}"
-        # The gate is one arm at one point (a pool's N = 4): on that row only.
-        gp = gate_rest(r["bridge"])
-        if gp is not None and gp != r["rest"]:
-            gate_t = "–"
+        gate_t = on_gate_row(gate_t, gate_rest(r["bridge"]), r["rest"])
         untrained = ""
         if raw_family:
             u = find(a.raw, None, r["rest"])
