@@ -1839,7 +1839,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             .err()
             .unwrap();
         assert!(
-            why.contains("w1 .. w2") && why.contains("position 0"),
+            why.contains("w1 .. w2") && why.contains("at position 0 it has w1, the training w2"),
             "{why}"
         );
         // A file written before the layout was kept is read by position.

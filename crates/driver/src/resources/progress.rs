@@ -135,36 +135,43 @@ impl Progress {
         params: &[Var],
         epochs: usize,
     ) -> std::result::Result<Progress, String> {
+        debug_assert_eq!(names.len(), params.len(), "a name for every parameter");
         let map = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| e.to_string())?;
         let get = |k: &str| {
             map.get(k)
                 .cloned()
                 .ok_or_else(|| format!("no tensor `{k}`"))
         };
-        // Files written before the layout was kept: by position.
+        // A file that names its parameters must name the training's, in
+        // order; one without a layout (older binaries) is read by position.
         if let Some(layout) = map.get("layout") {
-            let bytes = layout.to_vec1::<u8>().map_err(|e| e.to_string())?;
+            let bytes = layout
+                .to_vec1::<u8>()
+                .map_err(|e| format!("`layout`: {e}"))?;
             let saved = String::from_utf8(bytes).map_err(|e| format!("`layout`: {e}"))?;
             let saved: Vec<&str> = match saved.as_str() {
                 "" => Vec::new(),
                 s => s.split('\n').collect(),
             };
-            if saved != names.iter().map(String::as_str).collect::<Vec<_>>() {
+            let want: Vec<&str> = names.iter().map(String::as_str).collect();
+            if saved != want {
                 let show = |v: &[&str]| match v {
                     [] => "none".to_string(),
                     [one] => one.to_string(),
                     [first, .., last] => format!("{first} .. {last} ({})", v.len()),
                 };
-                let want: Vec<&str> = names.iter().map(String::as_str).collect();
                 let at = saved
                     .iter()
                     .zip(&want)
                     .position(|(a, b)| a != b)
                     .unwrap_or(saved.len().min(want.len()));
+                let name = |v: &[&str]| v.get(at).copied().unwrap_or("(end)").to_string();
                 return Err(format!(
-                    "its parameters are {}, the training's {}; the first difference at position {at}",
+                    "its parameters are {}, the training's {}; at position {at} it has {}, the training {}",
                     show(&saved),
-                    show(&want)
+                    show(&want),
+                    name(&saved),
+                    name(&want)
                 ));
             }
         }
