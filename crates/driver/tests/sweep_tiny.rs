@@ -1721,10 +1721,13 @@ fn a_bridge_build_resumes_from_its_progress_file() {
         .collect();
     layers.sort();
     assert!(!layers.is_empty());
-    let trained: Vec<Tensor> = layers
+    // The training names its parameters by the value file's keys (a
+    // progress file of other names would be set aside).
+    let names: Vec<String> = layers
         .iter()
-        .flat_map(|l| ["a", "b"].map(|w| value[&format!("trained.{l}.q.{w}")].clone()))
+        .flat_map(|l| ["a", "b"].map(|w| format!("trained.{l}.q.{w}")))
         .collect();
+    let trained: Vec<Tensor> = names.iter().map(|k| value[k].clone()).collect();
     // The progress of a training that finished its two epochs but was
     // killed before saving, with kept parameters of its own.
     let kept: Vec<Tensor> = trained.iter().map(|t| (t * 2.0).unwrap()).collect();
@@ -1734,15 +1737,9 @@ fn a_bridge_build_resumes_from_its_progress_file() {
         [1.0, 1.5, 1.0, 0.5],
         [2.0, 1.2, 1.1, 0.5],
     ];
-    // Named as the training names its parameters (a file of other names
-    // would be set aside).
-    let names: Vec<String> = layers
-        .iter()
-        .flat_map(|l| ["a", "b"].map(|w| format!("adapter.{l}.q.{w}")))
-        .collect();
     let planted = Progress {
         epoch: 2,
-        names,
+        names: names.clone(),
         params: trained.clone(),
         adam: AdamState {
             first: zeros.clone(),
@@ -1781,20 +1778,9 @@ fn a_bridge_build_resumes_from_its_progress_file() {
     assert!(!progress.exists(), "the progress outlived the saved bridge");
     let value =
         candle_core::safetensors::load(folder.join("value.safetensors"), &Device::Cpu).unwrap();
-    for (i, l) in layers.iter().enumerate() {
-        for (j, w) in ["a", "b"].iter().enumerate() {
-            let got = value[&format!("trained.{l}.q.{w}")]
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let want = kept[2 * i + j]
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            assert_eq!(got, want, "layer {l} {w}");
-        }
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for (key, want) in names.iter().zip(&kept) {
+        assert_eq!(flat(&value[key]), flat(want), "{key}");
     }
     // A corrupt progress file: trained from the start, as the first run.
     std::fs::remove_dir_all(&folder).unwrap();

@@ -372,6 +372,18 @@ fn proj_name(p: Projection) -> &'static str {
     }
 }
 
+/// The name of a trained adapter's tensors in a bridge's files, its value
+/// file and its training progress (`.a` and `.b` appended).
+fn trained_adapter_key(layer: usize, p: Projection) -> String {
+    format!("trained.{layer}.{}", proj_name(p))
+}
+
+/// The name of a trained router map (`wq` or `wk`) in a bridge's files,
+/// its value file and its training progress.
+fn trained_router_key(layer: usize, map: &str) -> String {
+    format!("router.trained.{layer}.{map}")
+}
+
 /// A training or slice example: the prepared cache, the question, the
 /// gold answer's first token.
 struct Example {
@@ -1096,8 +1108,8 @@ impl ResourceKind for BridgeSpec {
                 &field,
                 train.len(),
                 vec![
-                    (format!("router.{layer}.wq"), wq.clone()),
-                    (format!("router.{layer}.wk"), wk.clone()),
+                    (trained_router_key(layer, "wq"), wq.clone()),
+                    (trained_router_key(layer, "wk"), wk.clone()),
                 ],
                 &snapshot,
                 &|batch| match batch {
@@ -1148,7 +1160,7 @@ impl ResourceKind for BridgeSpec {
         let params = vars
             .iter()
             .flat_map(|(l, p, a, b)| {
-                let at = format!("adapter.{l}.{}", proj_name(*p));
+                let at = trained_adapter_key(*l, *p);
                 [
                     (format!("{at}.a"), a.clone()),
                     (format!("{at}.b"), b.clone()),
@@ -1194,7 +1206,7 @@ impl ResourceKind for BridgeSpec {
         // 0 the initial A changes no output; it matters to a reader of the
         // initial adapters only.
         for ad in v.trained.iter() {
-            let key = format!("trained.{}.{}", ad.layer, proj_name(ad.projection));
+            let key = trained_adapter_key(ad.layer, ad.projection);
             map.insert(format!("{key}.a"), ad.a.clone());
             map.insert(format!("{key}.b"), ad.b.clone());
         }
@@ -1205,8 +1217,8 @@ impl ResourceKind for BridgeSpec {
         // A router likewise: its trained maps, and the sum of each initial
         // key map (the initial query map is zero).
         for r in v.router.iter() {
-            map.insert(format!("router.trained.{}.wq", r.layer), r.wq.clone());
-            map.insert(format!("router.trained.{}.wk", r.layer), r.wk.clone());
+            map.insert(trained_router_key(r.layer, "wq"), r.wq.clone());
+            map.insert(trained_router_key(r.layer, "wk"), r.wk.clone());
         }
         for r in v.init_router.iter() {
             map.insert(
@@ -1273,7 +1285,7 @@ impl ResourceKind for BridgeSpec {
             .collect();
         keys.sort_by_key(|(l, p)| (*l, proj_name(*p)));
         for (l, p) in keys {
-            let key = format!("trained.{l}.{}", proj_name(p));
+            let key = trained_adapter_key(l, p);
             let (a, b) = (get(&format!("{key}.a"))?, get(&format!("{key}.b"))?);
             let old = format!("init.{l}.{}", proj_name(p));
             let (a0, b0) = if map.contains_key(&format!("{old}.a")) {
@@ -1325,8 +1337,8 @@ impl ResourceKind for BridgeSpec {
         for l in router_layers {
             let trained = RouterLayer {
                 layer: l,
-                wq: get(&format!("router.trained.{l}.wq"))?,
-                wk: get(&format!("router.trained.{l}.wk"))?,
+                wq: get(&trained_router_key(l, "wq"))?,
+                wk: get(&trained_router_key(l, "wk"))?,
             };
             let init = if map.contains_key(&format!("router.init.{l}.wq")) {
                 // Files saved before the initial maps were derived store them.

@@ -24,8 +24,9 @@ use std::path::Path;
 pub struct Progress {
     /// Epochs finished.
     pub epoch: usize,
-    /// The parameters' names, in training order (a layer's A and B of a
-    /// projection, a router's W_q and W_k).
+    /// The parameters' names, in training order: the keys the bridge's
+    /// value file gives them (a layer's A and B of a projection, a
+    /// router's W_q and W_k).
     pub names: Vec<String>,
     /// The parameters after `epoch`, in training order.
     pub params: Vec<Tensor>,
