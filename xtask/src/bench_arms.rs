@@ -323,8 +323,9 @@ pub fn build_fresh(
         deps: &deps,
         holders: &BTreeMap::new(),
         scratch: &Default::default(),
-        // A benchmark times whole builds: no resume.
+        // A benchmark times whole builds: no resume, no examples kept.
         progress: None,
+        shared_dir: None,
         resumed_after: Default::default(),
     };
     let t = Instant::now();

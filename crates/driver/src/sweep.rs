@@ -484,6 +484,9 @@ pub fn obtain_resources(
                         holders,
                         scratch: &scratch,
                         progress: Some(store.progress_file(kind.kind(), hash)),
+                        shared_dir: groups[i]
+                            .as_ref()
+                            .map(|g| store.shared_dir(g, &model_sha, precision)),
                         resumed_after: Default::default(),
                     };
                     let t0 = Instant::now();
@@ -541,6 +544,17 @@ pub fn obtain_resources(
                     tracing::debug!(
                         "after resource `{name}`: {n} values of its shared work dropped"
                     );
+                }
+                // Its copy on disk too: the group's resources are obtained.
+                let kept = store.shared_dir(g, &model_sha, precision);
+                if kept.exists() {
+                    match std::fs::remove_dir_all(&kept) {
+                        Ok(()) => tracing::info!(
+                            "after resource `{name}`: its group's kept examples removed ({})",
+                            kept.display()
+                        ),
+                        Err(e) => tracing::warn!("removing {}: {e}", kept.display()),
+                    }
                 }
             }
         }

@@ -3234,3 +3234,81 @@ fn an_answer_disjoint_bridge_trains_on_no_evaluation_answer() {
         serde_json::to_string(&spec).unwrap()
     );
 }
+
+/// A bridge's training examples are kept on disk while its group is being
+/// built, the adapter's and the router's alike: a sweep stopped after
+/// computing them (here: its bridge could not be saved, a file stands where
+/// its folder goes) leaves them in `shared-<hash>/` beside the resources;
+/// the next invocation reads them back instead of computing them (no file
+/// is rewritten); one corrupt file is computed again; the bridge trained
+/// from them is the first run's bit for bit; the folder is removed once the
+/// group's resources are obtained.
+#[test]
+fn a_stopped_build_leaves_its_training_examples_for_the_next() {
+    use std::os::unix::fs::MetadataExt;
+    for (which, name) in [("adapter", "qb"), ("router", "router")] {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny(dir.path());
+        let cfg = match which {
+            "adapter" => bridge_config(dir.path(), &model, 2),
+            _ => router_config(dir.path(), &model, ""),
+        };
+        let cache = dir.path().join("resources");
+        let opts = opts_in(dir.path(), &cache);
+        let shared = || -> Vec<PathBuf> {
+            std::fs::read_dir(&cache)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("shared-"))
+                })
+                .collect()
+        };
+        // Per kept file, its inode and modification time (a rewrite
+        // renames a new file in).
+        let files = |d: &Path| -> BTreeMap<String, (u64, i64, i64)> {
+            std::fs::read_dir(d)
+                .unwrap()
+                .map(|e| {
+                    let e = e.unwrap();
+                    let m = e.metadata().unwrap();
+                    (
+                        e.file_name().to_string_lossy().into_owned(),
+                        (m.ino(), m.mtime(), m.mtime_nsec()),
+                    )
+                })
+                .collect()
+        };
+        sweep::run(&cfg, &opts("a")).unwrap();
+        assert!(shared().is_empty(), "{which}: {:?}", shared());
+        let a = run_json(&dir.path().join("a"))["resources"][name].clone();
+        let folder = cache.join(format!("bridge-{}", a["hash"].as_str().unwrap()));
+        std::fs::remove_dir_all(&folder).unwrap();
+        std::fs::write(&folder, b"in the way").unwrap();
+        let e = sweep::run(&cfg, &opts("b")).unwrap_err().to_string();
+        assert!(e.contains(&folder.display().to_string()), "{which}: {e}");
+        let kept = shared();
+        assert_eq!(kept.len(), 1, "{which}");
+        let before = files(&kept[0]);
+        assert!(
+            before.len() > 2 && before.keys().all(|n| n.ends_with(".safetensors")),
+            "{which}: {before:?}"
+        );
+        // Stopped again: every example read back, none written anew.
+        sweep::run(&cfg, &opts("c")).unwrap_err();
+        assert_eq!(files(&kept[0]), before, "{which}");
+        // Unblocked, with one file cut off: that example is computed again;
+        // the bridge is the first run's; the folder goes.
+        std::fs::remove_file(&folder).unwrap();
+        let cut = before.keys().next().unwrap();
+        std::fs::write(kept[0].join(cut), b"cut off").unwrap();
+        sweep::run(&cfg, &opts("d")).unwrap();
+        let d = run_json(&dir.path().join("d"))["resources"][name].clone();
+        assert_eq!(d["obtained"], "built", "{which}");
+        assert_eq!(d["value_sha256"], a["value_sha256"], "{which}");
+        assert_eq!(d["summary"], a["summary"], "{which}");
+        assert!(shared().is_empty(), "{which}: {:?}", shared());
+    }
+}

@@ -140,6 +140,55 @@ impl KvCache {
         }
     }
 
+    /// A cache of one layout from its parts, as [`KvCache::layer`],
+    /// [`KvCache::segments`] and [`KvCache::next_position`] read them from
+    /// a cache of sequences that share one layout (a cache kept on disk and
+    /// read back): every layer's keys and values, the segments covering
+    /// their entries in order, the next own token's RoPE position. Refused,
+    /// naming what disagrees: a layer count or entry shape other than the
+    /// model's, segments that do not tile the entries, an empty cache.
+    pub fn from_parts(
+        cfg: &ModelConfig,
+        layers: Vec<LayerKv>,
+        segments: Vec<Segment>,
+        next_position: usize,
+    ) -> Result<Self> {
+        let bad = |reason: String| RuntimeError::BadIntervention {
+            site: "kv cache from parts".into(),
+            reason,
+        };
+        if layers.len() != cfg.n_layers {
+            return Err(bad(format!(
+                "{} layers of keys and values, the model has {}",
+                layers.len(),
+                cfg.n_layers
+            )));
+        }
+        let mut at = 0;
+        for s in &segments {
+            if s.start != at || s.len == 0 {
+                return Err(bad(format!(
+                    "segments {segments:?} do not tile the entries from 0 without gaps"
+                )));
+            }
+            at += s.len;
+        }
+        if at == 0 {
+            return Err(bad("no entries".into()));
+        }
+        let first = &layers[0].k;
+        let (batch, device) = (first.dim(0)?, first.device().clone());
+        let mut cache = Self::new(cfg, batch, &device);
+        cache.segments = segments;
+        cache.next_position = next_position;
+        for (l, kv) in layers.into_iter().enumerate() {
+            cache.check_shape(&format!("blocks.{l}.attn.hook_rot_k"), &kv.k, at)?;
+            cache.check_shape(&format!("blocks.{l}.attn.hook_v"), &kv.v, at)?;
+            cache.layers[l] = Some(kv);
+        }
+        Ok(cache)
+    }
+
     /// Number of layers.
     pub fn n_layers(&self) -> usize {
         self.layers.len()

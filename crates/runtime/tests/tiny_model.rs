@@ -405,6 +405,90 @@ fn appended_segments_are_attended_without_moving_positions() {
     assert!(e.contains("cache shapes differ"), "{e}");
 }
 
+/// A cache rebuilt from its parts (copied, as from a file) reads a
+/// question as the original does, bit for bit, appended segment and
+/// positions included; parts that disagree with the model or do not tile
+/// the entries are refused by name.
+#[test]
+fn a_cache_rebuilt_from_its_parts_is_the_cache() {
+    let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);
+    let m = &ck.model;
+    let cfg = m.config();
+    let none = HookSpec::new();
+    let read = |ids: &[u32]| {
+        let mut c = m.new_cache(1);
+        m.forward(
+            &m.tokens(&[ids.to_vec()]).unwrap(),
+            &mut c,
+            &none,
+            LogitsAt::None,
+        )
+        .unwrap();
+        c
+    };
+    let mut aug = read(&ck.tokenizer.encode("the cat sat on the mat").unwrap());
+    aug.append_segment(&read(&ck.tokenizer.encode("in the theatre").unwrap()))
+        .unwrap();
+    let parts = |c: &KvCache| -> Vec<LayerKv> {
+        (0..c.n_layers())
+            .map(|l| {
+                let kv = c.require_layer(l).unwrap();
+                LayerKv {
+                    k: kv.k.copy().unwrap(),
+                    v: kv.v.copy().unwrap(),
+                }
+            })
+            .collect()
+    };
+    let back = KvCache::from_parts(
+        cfg,
+        parts(&aug),
+        aug.segments().to_vec(),
+        aug.next_position(),
+    )
+    .unwrap();
+    assert_eq!(cache_bits(&back), cache_bits(&aug));
+    assert_eq!(
+        (back.segments(), back.next_position(), back.batch()),
+        (aug.segments(), aug.next_position(), aug.batch())
+    );
+    let q = m.tokens(&[ck.tokenizer.encode("where?").unwrap()]).unwrap();
+    let logits = |mut c: KvCache| {
+        m.forward(&q, &mut c, &none, LogitsAt::Last)
+            .unwrap()
+            .logits
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_eq!(logits(back), logits(aug.clone()));
+    // Refused: a layer short, segments with a gap, entries of another length.
+    let segs = aug.segments().to_vec();
+    let mut short = parts(&aug);
+    short.pop();
+    let e = KvCache::from_parts(cfg, short, segs.clone(), 6)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("layers of keys and values"), "{e}");
+    let mut gap = segs.clone();
+    gap[1].start += 1;
+    let e = KvCache::from_parts(cfg, parts(&aug), gap, 6)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("do not tile"), "{e}");
+    let mut long = segs.clone();
+    long[1].len += 1;
+    let e = KvCache::from_parts(cfg, parts(&aug), long, 6)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("blocks.0.attn.hook_rot_k") && e.contains("expected keys/values"),
+        "{e}"
+    );
+}
+
 #[test]
 fn interventions_edit_only_their_sites() {
     let (_d, ck) = tiny(&TinySpec::default(), Precision::F32);

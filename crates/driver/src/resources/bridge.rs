@@ -43,6 +43,7 @@
 //! sums the file keeps (files written before e8f579b store the initial
 //! adapters, and before 735c13d the initial router maps).
 
+use super::kept::{self, Fit, Keep, Parts};
 use super::progress::Progress;
 use super::{sample_training, BuildCx, ResourceKind, ResourceSpec, TrainCx, Value};
 use crate::arm::{Arm, Base, BridgeTargets, Injection, PoolSpec, Router, Source as SourceSpec};
@@ -392,13 +393,84 @@ struct Example {
     target: u32,
 }
 
+impl Keep for Example {
+    fn to_parts(&self) -> Result<Parts> {
+        let (tensors, mut fields) = kept::cache_parts("cache", &self.cache)?;
+        fields["question"] = serde_json::json!(self.question);
+        fields["target"] = self.target.into();
+        Ok((tensors, fields))
+    }
+
+    fn from_parts(
+        tensors: &mut HashMap<String, Tensor>,
+        fields: &serde_json::Value,
+        fit: &Fit,
+    ) -> std::result::Result<Self, String> {
+        Ok(Example {
+            cache: kept::cache_from("cache", tensors, fields, fit)?,
+            question: kept::ids(fields, "question")?,
+            target: kept::uint(fields, "target")? as u32,
+        })
+    }
+}
+
+impl Keep for RouterExample {
+    fn to_parts(&self) -> Result<Parts> {
+        let (mut tensors, lower) = kept::cache_parts("lower", &self.lower)?;
+        let (prefix_tensors, prefix) = kept::cache_parts("prefix", &self.prefix)?;
+        tensors.extend(prefix_tensors);
+        tensors.push(("own".into(), self.own.clone()));
+        tensors.push(("mask".into(), self.mask.clone()));
+        for (i, m) in self.members.iter().enumerate() {
+            tensors.push((format!("member.{i}"), m.clone()));
+        }
+        let fields = serde_json::json!({
+            "lower": lower,
+            "prefix": prefix,
+            "layer": self.layer,
+            "members": self.members.len(),
+            "alpha": self.alpha,
+            "p0": self.p0,
+            "question": self.question,
+            "target": self.target,
+        });
+        Ok((tensors, fields))
+    }
+
+    fn from_parts(
+        tensors: &mut HashMap<String, Tensor>,
+        fields: &serde_json::Value,
+        fit: &Fit,
+    ) -> std::result::Result<Self, String> {
+        let members = (0..kept::uint(fields, "members")?)
+            .map(|i| kept::take(tensors, &format!("member.{i}")))
+            .collect::<std::result::Result<Vec<_>, String>>()?;
+        Ok(RouterExample {
+            layer: kept::uint(fields, "layer")?,
+            own: kept::take(tensors, "own")?,
+            members,
+            mask: kept::take(tensors, "mask")?,
+            alpha: fields["alpha"].as_f64().ok_or("no field `alpha`")?,
+            p0: kept::uint(fields, "p0")?,
+            lower: kept::cache_from("lower", tensors, &fields["lower"], fit)?,
+            prefix: kept::cache_from("prefix", tensors, &fields["prefix"], fit)?,
+            question: kept::ids(fields, "question")?,
+            target: kept::uint(fields, "target")? as u32,
+        })
+    }
+}
+
 /// The examples of `set.items[range]` under the training arm; bridges
 /// trained under the same arm on the same items in one invocation share
-/// them (`scratch`, in `group`: [`ResourceKind::shared_work`]).
+/// them (`scratch`, in `group`: [`ResourceKind::shared_work`]), and with
+/// [`BuildCx::shared_dir`] each is kept on disk as it is computed, so that
+/// an invocation after one cut short reads it back ([`kept`]; the file
+/// must name the example's key and the digest of its items' token ids and
+/// gold answers).
 /// Mis-source partners (a router's distractor holders) are other training
 /// items of `set`.
 #[allow(clippy::too_many_arguments)]
-fn examples<E: Send + Sync + 'static>(
+fn examples<E: Keep + Send + Sync + 'static>(
     cx: &BuildCx,
     group: &str,
     spec: &BridgeSpec,
@@ -432,6 +504,12 @@ fn examples<E: Send + Sync + 'static>(
         ))
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    if let Some(dir) = &cx.shared_dir {
+        tracing::info!(
+            "bridge {what} examples kept in {} (read back by a build resumed after a stop; removed once the group's resources are built)",
+            dir.display()
+        );
+    }
     let mut out = Vec::with_capacity(range.len());
     for i in range {
         let it = &set.items[i];
@@ -446,6 +524,30 @@ fn examples<E: Send + Sync + 'static>(
         );
         let v = cx.scratch.get_or_make(group, &key, || {
             let pair = &set.pairs[i];
+            let digest = cx.shared_dir.as_ref().map(|_| {
+                let answers: Vec<&Vec<String>> = std::iter::once(i)
+                    .chain(set.partners[i].iter().copied())
+                    .map(|j| &set.items[j].item.answers)
+                    .collect();
+                let pairs: Vec<&tolerable_probe::ContextPair> = std::iter::once(i)
+                    .chain(set.partners[i].iter().copied())
+                    .map(|j| &set.pairs[j])
+                    .collect();
+                kept::hex_sha256(
+                    serde_json::to_string(&(pairs, answers))
+                        .unwrap_or_default()
+                        .as_bytes(),
+                )
+            });
+            if let (Some(dir), Some(digest)) = (&cx.shared_dir, &digest) {
+                let fit = Fit {
+                    cfg: model.config(),
+                    device: model.device(),
+                };
+                if let Some(e) = kept::read::<E>(dir, &key, digest, &fit) {
+                    return Ok(Arc::new(e) as Value);
+                }
+            }
             let passes = crate::passes::item_passes_with(
                 model,
                 pair,
@@ -464,7 +566,14 @@ fn examples<E: Send + Sync + 'static>(
                 resources: &none,
                 memo: &memo,
             };
-            Ok(Arc::new(make(&passes, program, it, &icx)?))
+            let e = make(&passes, program, it, &icx)?;
+            if let (Some(dir), Some(digest)) = (&cx.shared_dir, &digest) {
+                // A file not written costs a recomputation on a resume only.
+                if let Err(err) = kept::write(dir, &key, digest, &e) {
+                    tracing::warn!("{}: an example was not kept on disk: {err}", dir.display());
+                }
+            }
+            Ok(Arc::new(e))
         })?;
         out.push(v.downcast::<E>().map_err(|_| {
             DriverError::Records(format!("internal: scratch `{key}` is not an example"))

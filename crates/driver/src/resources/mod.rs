@@ -16,6 +16,7 @@ pub mod bridge;
 pub mod codebook;
 pub mod cross;
 pub mod fitted;
+pub(crate) mod kept;
 pub mod optim;
 pub mod progress;
 pub mod store;
@@ -117,6 +118,12 @@ pub struct BuildCx<'a> {
     /// a build cut short resumes there (a bridge's last finished epoch);
     /// `None` keeps none.
     pub progress: Option<PathBuf>,
+    /// Where the work this resource shares with its group
+    /// ([`ResourceKind::shared_work`]) is kept on disk as it is computed,
+    /// so that a build cut short reads it back instead of computing it
+    /// again (a bridge's training examples; [`kept`]); `None` keeps it in
+    /// memory only.
+    pub shared_dir: Option<PathBuf>,
     /// The epoch a build resumed after, from its progress file (set by the
     /// build; read by the sweep for `run.json`): its build seconds then
     /// count only the last invocation's part.

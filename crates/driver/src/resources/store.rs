@@ -83,6 +83,17 @@ impl Store {
             .join(format!("{kind}-{hash}.progress.safetensors"))
     }
 
+    /// The folder that keeps a group's shared work between invocations
+    /// (a bridge's training examples: [`super::kept`]): one per group,
+    /// receiver and precision, `shared-<hash>/` beside the resources.
+    pub fn shared_dir(&self, group: &str, model_sha256: &str, precision: &str) -> PathBuf {
+        let key = format!("{group}\n{model_sha256}\n{precision}");
+        self.root.join(format!(
+            "shared-{}",
+            &super::kept::hex_sha256(key.as_bytes())[..16]
+        ))
+    }
+
     /// Whether a copy with matching metadata (hash and model) exists; its
     /// checksum and layout are checked when it is loaded.
     pub fn is_cached(&self, kind: &str, hash: &str, model_sha256: &str) -> bool {
