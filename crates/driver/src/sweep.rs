@@ -436,6 +436,31 @@ pub fn obtain_resources(
         .map(|r| !r.spec.kind().deps().is_empty())
         .collect();
     let order = crate::resources::grouped_order(&groups, &has_deps);
+    // Where each group's work is kept on disk while its resources are built:
+    // named by what the work depends on beyond its own keys.
+    let backend = tolerable_runtime::matmul_backend(ck.model.row_kernel());
+    let shared_dirs: Vec<Option<PathBuf>> = hashed
+        .iter()
+        .zip(&groups)
+        .map(|(r, g)| {
+            g.as_ref().map(|g| {
+                store.shared_dir(&format!(
+                    "{g}\nreceiver {model_sha}\nprecision {precision}\nkernels {backend}\n{} version {}",
+                    r.spec.kind().kind(),
+                    r.spec.kind().version()
+                ))
+            })
+        })
+        .collect();
+    for d in store.shared_dirs() {
+        if !shared_dirs.iter().flatten().any(|s| s == &d) {
+            let n = std::fs::read_dir(&d).map(|e| e.count()).unwrap_or(0);
+            tracing::warn!(
+                "{}: {n} files kept by a stopped build of another plan (or receiver, precision or binary); delete it once no sweep will resume that build",
+                d.display()
+            );
+        }
+    }
     for (pos, &i) in order.iter().enumerate() {
         let r = &hashed[i];
         let (name, spec, hash) = (&r.name, &r.spec, &r.hash);
@@ -484,9 +509,7 @@ pub fn obtain_resources(
                         holders,
                         scratch: &scratch,
                         progress: Some(store.progress_file(kind.kind(), hash)),
-                        shared_dir: groups[i]
-                            .as_ref()
-                            .map(|g| store.shared_dir(g, &model_sha, precision)),
+                        shared_dir: shared_dirs[i].clone(),
                         resumed_after: Default::default(),
                     };
                     let t0 = Instant::now();
@@ -546,9 +569,8 @@ pub fn obtain_resources(
                     );
                 }
                 // Its copy on disk too: the group's resources are obtained.
-                let kept = store.shared_dir(g, &model_sha, precision);
-                if kept.exists() {
-                    match std::fs::remove_dir_all(&kept) {
+                if let Some(kept) = shared_dirs[i].as_ref().filter(|d| d.exists()) {
+                    match std::fs::remove_dir_all(kept) {
                         Ok(()) => tracing::info!(
                             "after resource `{name}`: its group's kept examples removed ({})",
                             kept.display()

@@ -3237,20 +3237,34 @@ fn an_answer_disjoint_bridge_trains_on_no_evaluation_answer() {
 
 /// A bridge's training examples are kept on disk while its group is being
 /// built, the adapter's and the router's alike: a sweep stopped after
-/// computing them (here: its bridge could not be saved, a file stands where
-/// its folder goes) leaves them in `shared-<hash>/` beside the resources;
-/// the next invocation reads them back instead of computing them (no file
-/// is rewritten); one corrupt file is computed again; the bridge trained
-/// from them is the first run's bit for bit; the folder is removed once the
-/// group's resources are obtained.
+/// computing them (here: a bridge could not be saved, a file stands where
+/// its folder goes; for the adapters, the second of a group of two, so the
+/// first is saved) leaves them in `shared-<hash>/` beside the resources;
+/// the next invocation, its training's progress file removed, trains from
+/// the examples read back (no file rewritten but one cut off, which is
+/// computed again) and gives the first run's bridge bit for bit; the folder
+/// is removed once the group's resources are obtained.
 #[test]
 fn a_stopped_build_leaves_its_training_examples_for_the_next() {
     use std::os::unix::fs::MetadataExt;
-    for (which, name) in [("adapter", "qb"), ("router", "router")] {
+    for (which, name) in [("adapter", "qkv"), ("router", "router")] {
         let dir = tempfile::tempdir().unwrap();
         let model = tiny(dir.path());
         let cfg = match which {
-            "adapter" => bridge_config(dir.path(), &model, 2),
+            "adapter" => {
+                // A second bridge of qb's group (same arm, items and seed),
+                // built after it.
+                let p = bridge_config(dir.path(), &model, 2);
+                let text = std::fs::read_to_string(&p).unwrap();
+                let qb =
+                    &text[text.find("[resources.qb]").unwrap()..text.find("[[arms]]").unwrap()];
+                let qkv = qb
+                    .replace("[resources.qb]", "[resources.qkv]")
+                    .replace("targets = \"q\"", "targets = \"qkv\"");
+                let arm = "[[arms]]\nname = \"kv_bridge_qkv\"\nbridge = { resource = \"qkv\" }\ninject = { carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }\n";
+                std::fs::write(&p, format!("{text}\n{qkv}\n{arm}")).unwrap();
+                p
+            }
             _ => router_config(dir.path(), &model, ""),
         };
         let cache = dir.path().join("resources");
@@ -3284,11 +3298,38 @@ fn a_stopped_build_leaves_its_training_examples_for_the_next() {
         sweep::run(&cfg, &opts("a")).unwrap();
         assert!(shared().is_empty(), "{which}: {:?}", shared());
         let a = run_json(&dir.path().join("a"))["resources"][name].clone();
-        let folder = cache.join(format!("bridge-{}", a["hash"].as_str().unwrap()));
+        let hash = a["hash"].as_str().unwrap();
+        let folder = cache.join(format!("bridge-{hash}"));
+        let progress = cache.join(format!("bridge-{hash}.progress.safetensors"));
         std::fs::remove_dir_all(&folder).unwrap();
         std::fs::write(&folder, b"in the way").unwrap();
+        if which == "adapter" {
+            let qb = run_json(&dir.path().join("a"))["resources"]["qb"]["hash"].clone();
+            std::fs::remove_dir_all(cache.join(format!("bridge-{}", qb.as_str().unwrap())))
+                .unwrap();
+        }
         let e = sweep::run(&cfg, &opts("b")).unwrap_err().to_string();
         assert!(e.contains(&folder.display().to_string()), "{which}: {e}");
+        if which == "adapter" {
+            // The group's first bridge was saved; its examples stay for the
+            // second's.
+            let b = std::fs::read_to_string(dir.path().join("b/run.json"));
+            assert!(b.is_err(), "{which}: a run.json after a failed resource");
+            assert_eq!(
+                std::fs::read_dir(&cache)
+                    .unwrap()
+                    .filter(|e| {
+                        let n = e.as_ref().unwrap().file_name();
+                        let n = n.to_string_lossy();
+                        n.starts_with("bridge-")
+                            && !n.contains('.')
+                            && e.as_ref().unwrap().path().is_dir()
+                    })
+                    .count(),
+                1,
+                "{which}"
+            );
+        }
         let kept = shared();
         assert_eq!(kept.len(), 1, "{which}");
         let before = files(&kept[0]);
@@ -3296,17 +3337,26 @@ fn a_stopped_build_leaves_its_training_examples_for_the_next() {
             before.len() > 2 && before.keys().all(|n| n.ends_with(".safetensors")),
             "{which}: {before:?}"
         );
-        // Stopped again: every example read back, none written anew.
+        // Stopped again, after training from scratch on the examples read
+        // back but one cut off: only that one is written anew.
+        assert!(progress.exists(), "{which}");
+        std::fs::remove_file(&progress).unwrap();
+        let cut = before.keys().next().unwrap().clone();
+        std::fs::write(kept[0].join(&cut), b"cut off").unwrap();
         sweep::run(&cfg, &opts("c")).unwrap_err();
-        assert_eq!(files(&kept[0]), before, "{which}");
-        // Unblocked, with one file cut off: that example is computed again;
-        // the bridge is the first run's; the folder goes.
+        let after = files(&kept[0]);
+        assert_eq!(after.len(), before.len(), "{which}");
+        for (n, id) in &after {
+            assert_eq!(id == &before[n], n != &cut, "{which}: {n}");
+        }
+        // Unblocked, trained from scratch on the examples read back: the
+        // first run's bridge; the folder goes.
+        std::fs::remove_file(&progress).unwrap();
         std::fs::remove_file(&folder).unwrap();
-        let cut = before.keys().next().unwrap();
-        std::fs::write(kept[0].join(cut), b"cut off").unwrap();
         sweep::run(&cfg, &opts("d")).unwrap();
         let d = run_json(&dir.path().join("d"))["resources"][name].clone();
         assert_eq!(d["obtained"], "built", "{which}");
+        assert!(d["build_resumed_after_epoch"].is_null(), "{which}: {d}");
         assert_eq!(d["value_sha256"], a["value_sha256"], "{which}");
         assert_eq!(d["summary"], a["summary"], "{which}");
         assert!(shared().is_empty(), "{which}: {:?}", shared());

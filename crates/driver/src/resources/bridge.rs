@@ -429,7 +429,7 @@ impl Keep for RouterExample {
             "prefix": prefix,
             "layer": self.layer,
             "members": self.members.len(),
-            "alpha": self.alpha,
+            "alpha_bits": self.alpha.to_bits(),
             "p0": self.p0,
             "question": self.question,
             "target": self.target,
@@ -450,7 +450,11 @@ impl Keep for RouterExample {
             own: kept::take(tensors, "own")?,
             members,
             mask: kept::take(tensors, "mask")?,
-            alpha: fields["alpha"].as_f64().ok_or("no field `alpha`")?,
+            alpha: f64::from_bits(
+                fields["alpha_bits"]
+                    .as_u64()
+                    .ok_or("no field `alpha_bits`")?,
+            ),
             p0: kept::uint(fields, "p0")?,
             lower: kept::cache_from("lower", tensors, &fields["lower"], fit)?,
             prefix: kept::cache_from("prefix", tensors, &fields["prefix"], fit)?,
@@ -465,8 +469,9 @@ impl Keep for RouterExample {
 /// them (`scratch`, in `group`: [`ResourceKind::shared_work`]), and with
 /// [`BuildCx::shared_dir`] each is kept on disk as it is computed, so that
 /// an invocation after one cut short reads it back ([`kept`]; the file
-/// must name the example's key and the digest of its items' token ids and
-/// gold answers).
+/// must name the example's key and the digest of the item's and its
+/// partners' context pairs and gold answers). After a file that cannot be
+/// written (a full disk) the rest are not kept.
 /// Mis-source partners (a router's distractor holders) are other training
 /// items of `set`.
 #[allow(clippy::too_many_arguments)]
@@ -506,10 +511,12 @@ fn examples<E: Keep + Send + Sync + 'static>(
     );
     if let Some(dir) = &cx.shared_dir {
         tracing::info!(
-            "bridge {what} examples kept in {} (read back by a build resumed after a stop; removed once the group's resources are built)",
+            "bridge {what} examples kept in {} (read back by a build resumed after a stop; removed once the group's resources are obtained)",
             dir.display()
         );
     }
+    let keeping = std::cell::Cell::new(cx.shared_dir.is_some());
+    let (read_back, computed) = (std::cell::Cell::new(0usize), std::cell::Cell::new(0usize));
     let mut out = Vec::with_capacity(range.len());
     for i in range {
         let it = &set.items[i];
@@ -524,7 +531,7 @@ fn examples<E: Keep + Send + Sync + 'static>(
         );
         let v = cx.scratch.get_or_make(group, &key, || {
             let pair = &set.pairs[i];
-            let digest = cx.shared_dir.as_ref().map(|_| {
+            let digest = keeping.get().then(|| {
                 let answers: Vec<&Vec<String>> = std::iter::once(i)
                     .chain(set.partners[i].iter().copied())
                     .map(|j| &set.items[j].item.answers)
@@ -533,7 +540,7 @@ fn examples<E: Keep + Send + Sync + 'static>(
                     .chain(set.partners[i].iter().copied())
                     .map(|j| &set.pairs[j])
                     .collect();
-                kept::hex_sha256(
+                super::files::hex_sha256(
                     serde_json::to_string(&(pairs, answers))
                         .unwrap_or_default()
                         .as_bytes(),
@@ -545,6 +552,7 @@ fn examples<E: Keep + Send + Sync + 'static>(
                     device: model.device(),
                 };
                 if let Some(e) = kept::read::<E>(dir, &key, digest, &fit) {
+                    read_back.set(read_back.get() + 1);
                     return Ok(Arc::new(e) as Value);
                 }
             }
@@ -567,10 +575,15 @@ fn examples<E: Keep + Send + Sync + 'static>(
                 memo: &memo,
             };
             let e = make(&passes, program, it, &icx)?;
+            computed.set(computed.get() + 1);
             if let (Some(dir), Some(digest)) = (&cx.shared_dir, &digest) {
                 // A file not written costs a recomputation on a resume only.
                 if let Err(err) = kept::write(dir, &key, digest, &e) {
-                    tracing::warn!("{}: an example was not kept on disk: {err}", dir.display());
+                    tracing::warn!(
+                        "{}: an example was not kept on disk ({err}); the rest of this set are not kept",
+                        dir.display()
+                    );
+                    keeping.set(false);
                 }
             }
             Ok(Arc::new(e))
@@ -581,6 +594,13 @@ fn examples<E: Keep + Send + Sync + 'static>(
         bar.inc(1);
     }
     bar.finish_and_clear();
+    if cx.shared_dir.is_some() {
+        tracing::info!(
+            "bridge {what} examples: {} read back from disk, {} computed",
+            read_back.get(),
+            computed.get()
+        );
+    }
     Ok(out)
 }
 

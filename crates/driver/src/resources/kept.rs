@@ -1,22 +1,24 @@
 //! Shared work kept on disk across invocations: a bridge's training
-//! examples (the prepared caches of its training and slice items), written
-//! as they are computed into the folder the sweep names for their group
-//! ([`super::BuildCx::shared_dir`], `shared-<hash>/` beside the resource
-//! cache) and read back by a later invocation, so that a build cut short
-//! (a session's end, a killed process) does not compute them again. The
-//! sweep removes the folder once the last resource of the group is
-//! obtained.
+//! examples (each training and slice item's prepared caches, and a
+//! router's pool states), written as they are computed into the folder the
+//! sweep names for their group ([`super::BuildCx::shared_dir`],
+//! `shared-<hash>/` beside the resource cache) and read back by a later
+//! invocation, so that a build cut short (a session's end, a killed
+//! process) does not compute them again. The sweep removes the folder once
+//! the last resource of the group is obtained.
 //!
 //! One file per example, named by a hash of its key; the file repeats the
-//! key and a digest of the item's token ids, and an example is read back
-//! only when both match and its caches fit the receiver. Anything else (a
-//! corrupt or foreign file) is logged and the example computed again and
-//! written over it. Tensors round-trip bit for bit (safetensors, f32), so
-//! an example read back trains as the computed one does.
+//! key and a digest of its items (the item's and its partners' token ids
+//! and gold answers), and an example is read back only when both match and
+//! its caches fit the receiver. Anything else (a corrupt or foreign file)
+//! is logged and the example computed again and written over it. Values
+//! round-trip bit for bit (safetensors of the tensors' own dtype; floats
+//! among the fields as their bits); the layout does not (a view comes back
+//! as a contiguous tensor), which the sweep's tests show changes no
+//! training bit.
 
-use crate::error::{DriverError, Result};
+use crate::error::Result;
 use candle_core::{Device, Tensor};
-use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tolerable_runtime::{KvCache, LayerKv, ModelConfig, Segment, SegmentKind};
@@ -47,15 +49,10 @@ pub(crate) trait Keep: Sized {
 
 /// The file that keeps the value under `key` in `dir`.
 pub(crate) fn file_of(dir: &Path, key: &str) -> PathBuf {
-    dir.join(format!("{}.safetensors", &hex_sha256(key.as_bytes())[..24]))
-}
-
-/// sha256 of `bytes`, hex.
-pub(crate) fn hex_sha256(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    dir.join(format!(
+        "{}.safetensors",
+        &super::files::hex_sha256(key.as_bytes())[..24]
+    ))
 }
 
 /// The value under `key` kept in `dir`, if its file is there, names `key`
@@ -69,13 +66,10 @@ pub(crate) fn read<E: Keep>(dir: &Path, key: &str, digest: &str, fit: &Fit) -> O
     let got = (|| -> std::result::Result<E, String> {
         let mut map =
             candle_core::safetensors::load(&path, fit.device).map_err(|e| e.to_string())?;
-        let fields = map
-            .remove("fields")
-            .ok_or("no `fields` tensor")?
-            .to_vec1::<u8>()
-            .map_err(|e| format!("`fields`: {e}"))?;
+        let fields = map.remove("fields").ok_or("no `fields` tensor")?;
         let fields: serde_json::Value =
-            serde_json::from_slice(&fields).map_err(|e| format!("`fields`: {e}"))?;
+            serde_json::from_str(&super::files::tensor_text(&fields, "fields")?)
+                .map_err(|e| format!("`fields`: {e}"))?;
         if fields["key"] != key || fields["digest"] != digest {
             return Err("it was written for another example or other items".into());
         }
@@ -94,44 +88,31 @@ pub(crate) fn read<E: Keep>(dir: &Path, key: &str, digest: &str, fit: &Fit) -> O
 }
 
 /// Keeps `value` under `key` in `dir` atomically (a temporary file, then a
-/// rename): a reader finds no file or a whole one.
+/// rename; not synced: a machine that stops may leave a part, which a
+/// reader sets aside).
 pub(crate) fn write<E: Keep>(dir: &Path, key: &str, digest: &str, value: &E) -> Result<()> {
     let (tensors, mut fields) = value.to_parts()?;
     fields["key"] = key.into();
     fields["digest"] = digest.into();
     let mut map: HashMap<String, Tensor> = tensors.into_iter().collect();
-    let bytes = serde_json::to_vec(&fields)
-        .map_err(|e| DriverError::Records(format!("an example's fields: {e}")))?;
-    let n = bytes.len();
-    map.insert("fields".into(), Tensor::from_vec(bytes, n, &Device::Cpu)?);
-    std::fs::create_dir_all(dir)
-        .map_err(|e| DriverError::Records(format!("creating {}: {e}", dir.display())))?;
-    let path = file_of(dir, key);
-    let name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("example");
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let written = candle_core::safetensors::save(&map, &tmp)
-        .map_err(DriverError::from)
-        .and_then(|_| {
-            std::fs::rename(&tmp, &path).map_err(|e| {
-                DriverError::Records(format!(
-                    "renaming {} to {}: {e}",
-                    tmp.display(),
-                    path.display()
-                ))
-            })
-        });
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
+    map.insert(
+        "fields".into(),
+        super::files::text_tensor(&fields.to_string())?,
+    );
+    super::files::save_atomic(&map, &file_of(dir, key), false)
 }
 
 /// A cache of one layout as tensors `{prefix}.k.{l}` / `{prefix}.v.{l}`
 /// and fields (segments, next position).
+/// An empty cache (a router whose first site is the first position) is a
+/// field alone.
 pub(crate) fn cache_parts(prefix: &str, cache: &KvCache) -> Result<Parts> {
+    if cache.is_empty() {
+        return Ok((
+            Vec::new(),
+            serde_json::json!({ "empty": true, "batch": cache.batch() }),
+        ));
+    }
     let mut tensors = Vec::with_capacity(2 * cache.n_layers());
     for l in 0..cache.n_layers() {
         let kv = cache.require_layer(l)?;
@@ -162,6 +143,9 @@ pub(crate) fn cache_from(
     fields: &serde_json::Value,
     fit: &Fit,
 ) -> std::result::Result<KvCache, String> {
+    if fields["empty"] == true {
+        return Ok(KvCache::new(fit.cfg, uint(fields, "batch")?, fit.device));
+    }
     let segments = fields["segments"]
         .as_array()
         .ok_or_else(|| format!("`{prefix}`: no segments"))?
@@ -243,7 +227,8 @@ mod tests {
     }
 
     /// A kept value reads back bit for bit under its key and digest only;
-    /// a corrupt file, another key's or another digest's is not used.
+    /// a corrupt file, another key's or another digest's is not used; an
+    /// empty cache round-trips.
     #[test]
     fn a_kept_value_reads_back_under_its_key_and_digest_only() {
         let dir = tempfile::tempdir().unwrap();
@@ -295,5 +280,12 @@ mod tests {
             names.iter().all(|n| n.ends_with(".safetensors")),
             "{names:?}"
         );
+        // An empty cache (a router's prefix before a first site at 0) is a
+        // field alone and reads back empty, of its batch.
+        let empty = KvCache::new(&cfg, 2, &Device::Cpu);
+        let (tensors, fields) = cache_parts("prefix", &empty).unwrap();
+        assert!(tensors.is_empty());
+        let back = cache_from("prefix", &mut HashMap::new(), &fields, &fit).unwrap();
+        assert!(back.is_empty() && back.batch() == 2 && back.next_position() == 0);
     }
 }

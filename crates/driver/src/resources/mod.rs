@@ -15,6 +15,7 @@ pub mod bank;
 pub mod bridge;
 pub mod codebook;
 pub mod cross;
+pub mod files;
 pub mod fitted;
 pub(crate) mod kept;
 pub mod optim;
@@ -121,7 +122,7 @@ pub struct BuildCx<'a> {
     /// Where the work this resource shares with its group
     /// ([`ResourceKind::shared_work`]) is kept on disk as it is computed,
     /// so that a build cut short reads it back instead of computing it
-    /// again (a bridge's training examples; [`kept`]); `None` keeps it in
+    /// again (a bridge's training examples, `resources/kept.rs`); `None` keeps it in
     /// memory only.
     pub shared_dir: Option<PathBuf>,
     /// The epoch a build resumed after, from its progress file (set by the

@@ -15,7 +15,7 @@
 //! the names were kept are read by position, shapes checked.
 
 use super::optim::AdamState;
-use crate::error::{DriverError, Result};
+use crate::error::Result;
 use candle_core::{Device, Tensor, Var};
 use std::collections::HashMap;
 use std::path::Path;
@@ -60,11 +60,9 @@ impl Progress {
             map.insert(format!("kept.{i}"), t.clone());
         }
         map.insert("curve".into(), curve_tensor(&self.curve)?);
-        let layout = self.names.join("\n").into_bytes();
-        let len = layout.len();
         map.insert(
             "layout".into(),
-            Tensor::from_vec(layout, len, &Device::Cpu)?,
+            super::files::text_tensor(&self.names.join("\n"))?,
         );
         map.insert(
             "counts".into(),
@@ -77,41 +75,9 @@ impl Progress {
                 &Device::Cpu,
             )?,
         );
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| DriverError::Records(format!("creating {}: {e}", dir.display())))?;
-        }
-        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-        let io = |what: &str, e: std::io::Error| {
-            DriverError::Records(format!("{what} {}: {e}", tmp.display()))
-        };
-        // On disk before the rename (a machine that stops, not only a
-        // killed process, then leaves the previous file or this one).
-        let written = candle_core::safetensors::save(&map, &tmp)
-            .map_err(DriverError::from)
-            .and_then(|_| {
-                std::fs::File::open(&tmp)
-                    .and_then(|f| f.sync_all())
-                    .map_err(|e| io("syncing", e))
-            })
-            .and_then(|_| {
-                std::fs::rename(&tmp, path).map_err(|e| {
-                    DriverError::Records(format!(
-                        "renaming {} to {}: {e}",
-                        tmp.display(),
-                        path.display()
-                    ))
-                })
-            })
-            .map(|_| {
-                if let Some(dir) = path.parent().and_then(|d| std::fs::File::open(d).ok()) {
-                    let _ = dir.sync_all();
-                }
-            });
-        if written.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        written
+        // Synced: a machine that stops, not only a killed process, leaves
+        // the previous epoch's file or this one.
+        super::files::save_atomic(&map, path, true)
     }
 
     /// The progress at `path` for training `params`, named `names`, over at
@@ -146,10 +112,7 @@ impl Progress {
         // A file that names its parameters must name the training's, in
         // order; one without a layout (older binaries) is read by position.
         if let Some(layout) = map.get("layout") {
-            let bytes = layout
-                .to_vec1::<u8>()
-                .map_err(|e| format!("`layout`: {e}"))?;
-            let saved = String::from_utf8(bytes).map_err(|e| format!("`layout`: {e}"))?;
+            let saved = super::files::tensor_text(layout, "layout")?;
             let saved: Vec<&str> = match saved.as_str() {
                 "" => Vec::new(),
                 s => s.split('\n').collect(),

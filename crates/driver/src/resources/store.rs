@@ -8,7 +8,6 @@
 use super::{ResourceSpec, Value};
 use crate::error::{io, Result};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 /// What `meta.json` records of a cached resource.
@@ -54,9 +53,7 @@ pub struct Store {
 /// sha256 of a file, hex.
 pub fn file_sha256(path: &Path) -> Result<String> {
     let bytes = std::fs::read(path).map_err(io(format!("reading {}", path.display())))?;
-    let mut h = Sha256::new();
-    h.update(&bytes);
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(super::files::hex_sha256(&bytes))
 }
 
 impl Store {
@@ -84,14 +81,34 @@ impl Store {
     }
 
     /// The folder that keeps a group's shared work between invocations
-    /// (a bridge's training examples: [`super::kept`]): one per group,
-    /// receiver and precision, `shared-<hash>/` beside the resources.
-    pub fn shared_dir(&self, group: &str, model_sha256: &str, precision: &str) -> PathBuf {
-        let key = format!("{group}\n{model_sha256}\n{precision}");
+    /// (a bridge's training examples), `shared-<hash>/` beside the
+    /// resources: one per `key`, which names everything the work depends on
+    /// beyond its own keys (the group, the receiver, the precision, the
+    /// matmul kernels, the resource kind's version).
+    pub fn shared_dir(&self, key: &str) -> PathBuf {
         self.root.join(format!(
             "shared-{}",
-            &super::kept::hex_sha256(key.as_bytes())[..16]
+            &super::files::hex_sha256(key.as_bytes())[..16]
         ))
+    }
+
+    /// The `shared-*` folders in the store: kept work of groups whose
+    /// builds stopped.
+    pub fn shared_dirs(&self) -> Vec<PathBuf> {
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut dirs: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.is_dir()
+                    && p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("shared-"))
+            })
+            .collect();
+        dirs.sort();
+        dirs
     }
 
     /// Whether a copy with matching metadata (hash and model) exists; its
