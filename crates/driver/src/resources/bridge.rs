@@ -517,6 +517,10 @@ fn examples<E: Keep + Send + Sync + 'static>(
     }
     let keeping = std::cell::Cell::new(cx.shared_dir.is_some());
     let (read_back, computed) = (std::cell::Cell::new(0usize), std::cell::Cell::new(0usize));
+    let fit = Fit {
+        cfg: model.config(),
+        device: model.device(),
+    };
     let mut out = Vec::with_capacity(range.len());
     for i in range {
         let it = &set.items[i];
@@ -531,26 +535,19 @@ fn examples<E: Keep + Send + Sync + 'static>(
         );
         let v = cx.scratch.get_or_make(group, &key, || {
             let pair = &set.pairs[i];
-            let digest = keeping.get().then(|| {
+            // Where the example is kept, and the digest of what it is
+            // made from (the item's and its partners' pairs and answers).
+            let kept_at = cx.shared_dir.as_deref().filter(|_| keeping.get()).map(|dir| {
                 let answers: Vec<&Vec<String>> = std::iter::once(i)
                     .chain(set.partners[i].iter().copied())
                     .map(|j| &set.items[j].item.answers)
                     .collect();
-                let pairs: Vec<&tolerable_probe::ContextPair> = std::iter::once(i)
-                    .chain(set.partners[i].iter().copied())
-                    .map(|j| &set.pairs[j])
-                    .collect();
-                super::files::hex_sha256(
-                    serde_json::to_string(&(pairs, answers))
-                        .unwrap_or_default()
-                        .as_bytes(),
-                )
+                let pairs: Vec<&tolerable_probe::ContextPair> =
+                    std::iter::once(pair).chain(set.partners_of(i)).collect();
+                let made_of = serde_json::to_string(&(pairs, answers));
+                (dir, super::files::hex_sha256(made_of.unwrap_or_default().as_bytes()))
             });
-            if let (Some(dir), Some(digest)) = (&cx.shared_dir, &digest) {
-                let fit = Fit {
-                    cfg: model.config(),
-                    device: model.device(),
-                };
+            if let Some((dir, digest)) = &kept_at {
                 if let Some(e) = kept::read::<E>(dir, &key, digest, &fit) {
                     read_back.set(read_back.get() + 1);
                     return Ok(Arc::new(e) as Value);
@@ -576,7 +573,7 @@ fn examples<E: Keep + Send + Sync + 'static>(
             };
             let e = make(&passes, program, it, &icx)?;
             computed.set(computed.get() + 1);
-            if let (Some(dir), Some(digest)) = (&cx.shared_dir, &digest) {
+            if let Some((dir, digest)) = &kept_at {
                 // A file not written costs a recomputation on a resume only.
                 if let Err(err) = kept::write(dir, &key, digest, &e) {
                     tracing::warn!(
