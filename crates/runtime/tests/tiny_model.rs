@@ -468,25 +468,24 @@ fn a_cache_rebuilt_from_its_parts_is_the_cache() {
     let segs = aug.segments().to_vec();
     let mut short = parts(&aug);
     short.pop();
-    let e = KvCache::from_parts(cfg, short, segs.clone(), 6)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("layers of keys and values"), "{e}");
     let mut gap = segs.clone();
     gap[1].start += 1;
-    let e = KvCache::from_parts(cfg, parts(&aug), gap, 6)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("do not tile"), "{e}");
     let mut long = segs.clone();
     long[1].len += 1;
-    let e = KvCache::from_parts(cfg, parts(&aug), long, 6)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("blocks.0.attn.hook_rot_k") && e.contains("expected keys/values"),
-        "{e}"
-    );
+    for (layers, segments, want) in [
+        (short, segs.clone(), &["layers of keys and values"][..]),
+        (parts(&aug), gap, &["do not tile"]),
+        (
+            parts(&aug),
+            long,
+            &["blocks.0.attn.hook_rot_k", "expected keys/values"],
+        ),
+    ] {
+        let e = KvCache::from_parts(cfg, layers, segments, 6)
+            .unwrap_err()
+            .to_string();
+        assert!(want.iter().all(|w| e.contains(w)), "{want:?}: {e}");
+    }
 }
 
 #[test]
