@@ -8,7 +8,6 @@ use crate::arm::{Arm, Base};
 use crate::error::{DriverError, Result};
 use crate::resources::ResourceSpec;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -380,13 +379,7 @@ impl SweepConfig {
             "resources": self.resources,
             "arms": self.arms,
         });
-        let mut h = Sha256::new();
-        h.update(canon.to_string().as_bytes());
-        h.finalize()
-            .iter()
-            .take(8)
-            .map(|b| format!("{b:02x}"))
-            .collect()
+        crate::resources::files::hex_sha256(canon.to_string().as_bytes())[..16].to_string()
     }
 }
 

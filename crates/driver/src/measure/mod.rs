@@ -47,7 +47,6 @@ use crate::records::{self, columns, MeasureRow};
 use candle_core::{Tensor, D};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -214,13 +213,7 @@ impl MeasureConfig {
     /// with equal hashes are interchangeable.
     pub fn hash(&self) -> String {
         let canon = serde_json::json!({ "run": self.run, "measure": self.measure });
-        let mut h = Sha256::new();
-        h.update(canon.to_string().as_bytes());
-        h.finalize()
-            .iter()
-            .take(8)
-            .map(|b| format!("{b:02x}"))
-            .collect()
+        crate::resources::files::hex_sha256(canon.to_string().as_bytes())[..16].to_string()
     }
 }
 

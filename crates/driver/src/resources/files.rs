@@ -70,10 +70,13 @@ pub fn tensor_text(t: &Tensor, name: &str) -> std::result::Result<String, String
     String::from_utf8(bytes).map_err(|e| format!("`{name}`: {e}"))
 }
 
-/// sha256 of `bytes`, hex.
+/// sha256 of `bytes`, hex (the first 16 characters name configs and
+/// resources by content).
 pub fn hex_sha256(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&Sha256::digest(bytes))
+}
+
+/// Bytes (a digest) as lowercase hex.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -424,11 +424,7 @@ pub fn content_hash(spec: &ResourceSpec, inputs: &HashInputs) -> String {
         }
         tokens.update(u32::MAX.to_le_bytes());
     }
-    let tokens: String = tokens
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let tokens = files::hex(&tokens.finalize());
     let canon = serde_json::json!({
         "kind_version": spec.kind().version(),
         "spec": spec,
@@ -439,13 +435,7 @@ pub fn content_hash(spec: &ResourceSpec, inputs: &HashInputs) -> String {
         "context_tokens_sha256": tokens,
         "deps": inputs.deps,
     });
-    let mut h = Sha256::new();
-    h.update(canon.to_string().as_bytes());
-    h.finalize()
-        .iter()
-        .take(8)
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    files::hex_sha256(canon.to_string().as_bytes())[..16].to_string()
 }
 
 /// A resource of a plan with its training items and content hash.
