@@ -3320,7 +3320,7 @@ fn a_stopped_build_leaves_its_training_examples_for_the_next() {
                 })
                 .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
                 .collect();
-            assert_eq!(&saved, &[qb.clone()], "{which}");
+            assert_eq!(saved, std::slice::from_ref(qb), "{which}");
         }
         let kept = shared();
         assert_eq!(kept.len(), 1, "{which}");
