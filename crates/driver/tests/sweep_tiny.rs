@@ -1739,6 +1739,8 @@ fn a_bridge_build_resumes_from_its_progress_file() {
     ];
     let planted = Progress {
         epoch: 2,
+        steps: 0,
+        partial_loss: 0.0,
         names: names.clone(),
         params: trained.clone(),
         adam: AdamState {

@@ -55,6 +55,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tolerable_carrier::{Carrier, LayerSet, Mechanism, RouterLayer};
 use tolerable_probe::SplitItem;
 use tolerable_runtime::{
@@ -848,9 +849,11 @@ struct Trained<S> {
 /// seeded order, the slice scored before the first step and after each
 /// epoch, the best epoch (slice accuracy, then loss) kept; a non-finite
 /// loss stops training. With `progress`, each finished epoch is saved
-/// there and a training that finds a usable file resumes after its epoch
-/// (the same bits as one uninterrupted run). `params` are named, in
-/// training order; a progress file of other names is not used.
+/// there, and inside an epoch the steps taken when `save_every` has passed
+/// since the last save; a training that finds a usable file resumes after
+/// its epoch and steps (the same bits as one uninterrupted run). `params`
+/// are named, in training order; a progress file of other names is not
+/// used.
 #[allow(clippy::too_many_arguments)]
 fn train_loop<S: Clone>(
     spec: &BridgeSpec,
@@ -861,7 +864,10 @@ fn train_loop<S: Clone>(
     step_loss: &dyn Fn(&[usize]) -> Result<Tensor>,
     slice: &dyn Fn(&S) -> Result<(f64, f64)>,
     progress: Option<&Path>,
+    save_every: Duration,
 ) -> Result<Trained<S>> {
+    let per_step = spec.batch.max(1);
+    let steps_per_epoch = n_train.div_ceil(per_step);
     let (names, params): (Vec<String>, Vec<Var>) = params.into_iter().unzip();
     let mut opt = super::optim::AdamW::new(
         params.clone(),
@@ -886,7 +892,9 @@ fn train_loop<S: Clone>(
             .collect()
     };
     let saved = match progress {
-        Some(path) => match Progress::load(path, &names, &params, spec.epochs)? {
+        Some(path) => match Progress::load(path, &names, &params, spec.epochs)?
+            .map(|p| p.and_then(|p| p.fits(steps_per_epoch)))
+        {
             Some(Ok(p)) => Some(p),
             Some(Err(why)) => {
                 tracing::warn!(
@@ -900,6 +908,10 @@ fn train_loop<S: Clone>(
         None => None,
     };
     let resumed_after = saved.as_ref().map(|p| p.epoch);
+    // Steps already taken of the first epoch to run, and their summed loss.
+    let (skip, partial_loss) = saved
+        .as_ref()
+        .map_or((0, 0.0), |p| (p.steps, p.partial_loss));
     let (mut curve, mut best_epoch, mut kept, mut kept_params, first) = match saved {
         Some(p) => {
             let kept = match &p.kept {
@@ -915,9 +927,10 @@ fn train_loop<S: Clone>(
                 shuffle_epoch(spec.seed, epoch, &mut order);
             }
             tracing::info!(
-                "{field}: resuming after epoch {} of {} (kept epoch {}) from {}",
+                "{field}: resuming after epoch {} of {} and {} of the next epoch's {steps_per_epoch} steps (kept epoch {}) from {}",
                 p.epoch,
                 spec.epochs,
+                p.steps,
                 p.best_epoch,
                 progress
                     .map(|p| p.display().to_string())
@@ -935,6 +948,7 @@ fn train_loop<S: Clone>(
     };
     let mut best = (curve[best_epoch][3], -curve[best_epoch][2]);
     let mut stopped = None;
+    let mut last_save = Instant::now();
     'epochs: for epoch in first..=spec.epochs {
         shuffle_epoch(spec.seed, epoch, &mut order);
         let bar = ProgressBar::new(order.len() as u64);
@@ -945,8 +959,13 @@ fn train_loop<S: Clone>(
             ))
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
-        let mut total = 0.0;
-        for (step, batch) in order.chunks(spec.batch.max(1)).enumerate() {
+        let (done, mut total) = if epoch == first {
+            (skip, partial_loss)
+        } else {
+            (0, 0.0)
+        };
+        bar.set_position(order.len().min(done * per_step) as u64);
+        for (step, batch) in order.chunks(per_step).enumerate().skip(done) {
             let loss = step_loss(batch)?;
             let value = loss.to_scalar::<f32>()? as f64;
             if !value.is_finite() {
@@ -963,6 +982,23 @@ fn train_loop<S: Clone>(
             opt.backward_step(&loss)?;
             bar.inc(batch.len() as u64);
             bar.set_message(format!("{:.3}", total / bar.position() as f64));
+            if let Some(path) =
+                progress.filter(|_| step + 1 < steps_per_epoch && last_save.elapsed() >= save_every)
+            {
+                let p = Progress {
+                    epoch: epoch - 1,
+                    steps: step + 1,
+                    partial_loss: total,
+                    names: names.clone(),
+                    params: copy_all()?,
+                    adam: opt.state()?,
+                    kept: kept_params.clone(),
+                    curve: curve.clone(),
+                    best_epoch,
+                };
+                save_progress(&p, path, field);
+                last_save = Instant::now();
+            }
         }
         bar.finish_and_clear();
         let now = snapshot()?;
@@ -974,7 +1010,7 @@ fn train_loop<S: Clone>(
             tracing::warn!(
                 "{field}: training stopped after epoch {epoch}: the slice loss is {sl}; the parameters of epoch {best_epoch} are kept"
             );
-            stopped = Some((epoch, order.len().div_ceil(spec.batch.max(1))));
+            stopped = Some((epoch, steps_per_epoch));
             break;
         }
         if (sa, -sl) > best {
@@ -986,6 +1022,8 @@ fn train_loop<S: Clone>(
         if let Some(path) = progress {
             let p = Progress {
                 epoch,
+                steps: 0,
+                partial_loss: 0.0,
                 names: names.clone(),
                 params: copy_all()?,
                 adam: opt.state()?,
@@ -993,14 +1031,8 @@ fn train_loop<S: Clone>(
                 curve: curve.clone(),
                 best_epoch,
             };
-            // A progress file that cannot be written costs a resume, not
-            // the training.
-            if let Err(e) = p.save(path) {
-                tracing::warn!(
-                    "{field}: the progress of epoch {epoch} was not saved to {}: {e}",
-                    path.display()
-                );
-            }
+            save_progress(&p, path, field);
+            last_save = Instant::now();
         }
     }
     Ok(Trained {
@@ -1012,6 +1044,23 @@ fn train_loop<S: Clone>(
         resumed_after,
     })
 }
+
+/// Saves `p` to `path`; a progress file that cannot be written costs a
+/// resume, not the training, and is logged.
+fn save_progress(p: &Progress, path: &Path, field: &str) {
+    if let Err(e) = p.save(path) {
+        tracing::warn!(
+            "{field}: the progress after epoch {} and {} steps was not saved to {}: {e}",
+            p.epoch,
+            p.steps,
+            path.display()
+        );
+    }
+}
+
+/// How often a training saves its progress inside an epoch (at most once
+/// a step): a training cut short loses at most this much of its epoch.
+const PROGRESS_EVERY: Duration = Duration::from_secs(60);
 
 /// Shuffles the training order for `epoch` (each epoch shuffles the order
 /// the previous one left).
@@ -1247,6 +1296,7 @@ impl ResourceKind for BridgeSpec {
                 },
                 &|s: &Vec<RouterLayer>| slice_scores(&slice, &|e| router_score(model, e, &s[0])),
                 cx.progress.as_deref(),
+                PROGRESS_EVERY,
             )?;
             cx.note_resumed(done.resumed_after);
             return Ok(Arc::new(BridgeValue {
@@ -1309,6 +1359,7 @@ impl ResourceKind for BridgeSpec {
                 slice_scores(&slice, &|e| score(model, e, &spec))
             },
             cx.progress.as_deref(),
+            PROGRESS_EVERY,
         )?;
         cx.note_resumed(done.resumed_after);
         Ok(Arc::new(BridgeValue {
@@ -1869,35 +1920,44 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         // (the process dies mid-epoch). The slice is the training loss; its
         // accuracy is 1 inside `band` and 0 outside, so that the kept epoch
         // can be one before the cut.
+        // `every` is how often a step's progress is saved inside an epoch;
+        // `None`, at epochs' ends only.
+        let train_every = |vars: &[Var],
+                           progress: Option<&Path>,
+                           fail_at: Option<usize>,
+                           band: (f64, f64),
+                           every: Option<Duration>| {
+            let calls = std::cell::Cell::new(0usize);
+            let snapshot = || -> Result<Vec<Tensor>> {
+                vars.iter()
+                    .map(|v| Ok(v.as_tensor().detach().copy()?))
+                    .collect()
+            };
+            train_loop(
+                &spec,
+                "[resources.test]",
+                6,
+                names.iter().cloned().zip(vars.iter().cloned()).collect(),
+                &snapshot,
+                &|batch| {
+                    calls.set(calls.get() + 1);
+                    if Some(calls.get()) == fail_at {
+                        return Err(DriverError::Records("killed".into()));
+                    }
+                    let live: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                    loss_of(&live, batch)
+                },
+                &|s: &Vec<Tensor>| {
+                    let l = loss_of(s, &[0, 1, 2, 3, 4, 5])?.to_scalar::<f32>()? as f64;
+                    Ok((l, (band.0 < l && l < band.1) as u8 as f64))
+                },
+                progress,
+                every.unwrap_or(Duration::MAX),
+            )
+        };
         let train =
             |vars: &[Var], progress: Option<&Path>, fail_at: Option<usize>, band: (f64, f64)| {
-                let calls = std::cell::Cell::new(0usize);
-                let snapshot = || -> Result<Vec<Tensor>> {
-                    vars.iter()
-                        .map(|v| Ok(v.as_tensor().detach().copy()?))
-                        .collect()
-                };
-                train_loop(
-                    &spec,
-                    "[resources.test]",
-                    6,
-                    names.iter().cloned().zip(vars.iter().cloned()).collect(),
-                    &snapshot,
-                    &|batch| {
-                        calls.set(calls.get() + 1);
-                        if Some(calls.get()) == fail_at {
-                            return Err(DriverError::Records("killed".into()));
-                        }
-                        let live: Vec<Tensor> =
-                            vars.iter().map(|v| v.as_tensor().clone()).collect();
-                        loss_of(&live, batch)
-                    },
-                    &|s: &Vec<Tensor>| {
-                        let l = loss_of(s, &[0, 1, 2, 3, 4, 5])?.to_scalar::<f32>()? as f64;
-                        Ok((l, (band.0 < l && l < band.1) as u8 as f64))
-                    },
-                    progress,
-                )
+                train_every(vars, progress, fail_at, band, None)
             };
         // The slice losses of a first training set the band around epoch 2.
         let probe = train(&fresh(), None, None, (0.0, 0.0)).unwrap();
@@ -2013,6 +2073,81 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             .err()
             .unwrap();
         assert!(why.contains("curve"), "{why}");
+        // Saved at every step, a training killed inside its second epoch
+        // (the third step fails) resumes after that epoch's second step:
+        // the same bits, the epoch's mean training loss among them.
+        let inside = dir.path().join("bridge-s.progress.safetensors");
+        let every = Some(Duration::ZERO);
+        assert!(train_every(&fresh(), Some(&inside), Some(9), band, every).is_err());
+        let mid = Progress::load(&inside, &names, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (mid.epoch, mid.steps, mid.adam.step_t, mid.curve.len()),
+            (1, 2, 8, 2)
+        );
+        assert!(mid.partial_loss > 0.0);
+        let on = train_every(&fresh(), Some(&inside), None, band, every).unwrap();
+        assert_eq!(on.resumed_after, Some(1));
+        assert_eq!(bits(&on.kept), bits(&whole.kept));
+        assert_eq!(curve_bits(&on.curve), curve_bits(&whole.curve));
+        // Steps that do not fit the training (an epoch of fewer steps, or an
+        // optimizer count that is not the steps') are not used.
+        let mid = Progress::load(&inside, &names, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(mid.steps, 0, "the finished training saved its last epoch");
+        let mut odd_steps = Progress::load(&path, &names, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        odd_steps.epoch = 3;
+        odd_steps.curve.pop();
+        odd_steps.steps = 6;
+        odd_steps.adam.step_t = 24;
+        let why = odd_steps.fits(6).err().unwrap();
+        assert!(why.contains("6 steps into epoch 4"), "{why}");
+        let mut odd_count = Progress::load(&path, &names, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        odd_count.steps = 0;
+        odd_count.adam.step_t = 23;
+        let why = odd_count.fits(6).err().unwrap();
+        assert!(why.contains("(24 expected)"), "{why}");
+        // Steps into an epoch the training does not have are refused.
+        let mut past = Progress::load(&path, &names, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        past.steps = 1;
+        past.partial_loss = 0.5;
+        past.adam.step_t = 25;
+        let past_path = dir.path().join("bridge-p.progress.safetensors");
+        past.save(&past_path).unwrap();
+        let why = Progress::load(&past_path, &names, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .err()
+            .unwrap();
+        assert!(why.contains("1 steps of the next"), "{why}");
+        // A file of an epoch's end written before steps were saved (three
+        // counts, no summed loss) is read as that epoch's end.
+        let mut map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+        assert!(map.remove("partial_loss").is_some());
+        map.insert(
+            "counts".into(),
+            Tensor::new(&[4u32, 24, 2], &Device::Cpu).unwrap(),
+        );
+        let three = dir.path().join("bridge-t.progress.safetensors");
+        candle_core::safetensors::save(&map, &three).unwrap();
+        let old = Progress::load(&three, &names, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!((old.epoch, old.steps, old.partial_loss), (4, 0, 0.0));
         // A corrupt file is set aside: the training starts over and ends
         // as the uninterrupted one did.
         std::fs::write(&path, b"not a safetensors file").unwrap();

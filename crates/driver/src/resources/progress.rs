@@ -1,13 +1,14 @@
-//! A bridge's training progress at the end of its last finished epoch, kept
-//! beside the resource cache (`<kind>-<hash>.progress.safetensors`) so that
-//! a training cut short (a session's end, a killed process) resumes there
-//! instead of from the start.
+//! A bridge's training progress at the end of its last finished epoch, or
+//! some steps into the next, kept beside the resource cache
+//! (`<kind>-<hash>.progress.safetensors`) so that a training cut short (a
+//! session's end, a killed process) resumes there instead of from the
+//! start.
 //!
 //! The file holds what the rest of the training depends on: the parameters,
 //! the optimizer's moments and step count, the slice curve so far, the kept
-//! (best) epoch and its parameters. The epochs' shuffled orders are replayed
-//! from the seed, so a resumed training gives the bits an uninterrupted one
-//! gives. The resource hash in the file name covers the spec and the
+//! (best) epoch and its parameters, and inside an epoch the steps taken and
+//! their summed loss. The epochs' shuffled orders are replayed from the
+//! seed, so a resumed training gives the bits an uninterrupted one gives. The resource hash in the file name covers the spec and the
 //! receiver; the file is removed once the resource is saved. The file names
 //! the parameters in training order (`layout`), so that a training whose
 //! code orders them otherwise sets the file aside instead of reading one
@@ -20,10 +21,16 @@ use candle_core::{Device, Tensor, Var};
 use std::collections::HashMap;
 use std::path::Path;
 
-/// Training progress after `epoch` finished epochs.
+/// Training progress after `epoch` finished epochs and `steps` steps of
+/// the next.
 pub struct Progress {
     /// Epochs finished.
     pub epoch: usize,
+    /// Steps taken of epoch `epoch + 1` (0 at an epoch's end).
+    pub steps: usize,
+    /// The training loss summed over the examples of those steps (the
+    /// epoch's mean so far, times the examples seen).
+    pub partial_loss: f64,
     /// The parameters' names, in training order: the keys the bridge's
     /// value file gives them (a layer's A and B of a projection, a
     /// router's W_q and W_k).
@@ -71,9 +78,14 @@ impl Progress {
                     self.epoch as u32,
                     self.adam.step_t as u32,
                     self.best_epoch as u32,
+                    self.steps as u32,
                 ],
                 &Device::Cpu,
             )?,
+        );
+        map.insert(
+            "partial_loss".into(),
+            Tensor::new(&[self.partial_loss], &Device::Cpu)?,
         );
         // Synced: a machine that stops, not only a killed process, leaves
         // the previous epoch's file or this one.
@@ -94,6 +106,22 @@ impl Progress {
             return Ok(None);
         }
         Ok(Some(Self::read(path, names, params, epochs)))
+    }
+
+    /// This progress, when its steps fit a training of `steps_per_epoch`
+    /// steps an epoch: fewer steps than an epoch has, and the optimizer's
+    /// step count the finished epochs' and steps' sum; why not otherwise.
+    pub fn fits(self, steps_per_epoch: usize) -> std::result::Result<Progress, String> {
+        let want = self.epoch * steps_per_epoch + self.steps;
+        if self.steps >= steps_per_epoch.max(1) || self.adam.step_t != want {
+            return Err(format!(
+                "{} steps into epoch {} and {} optimizer steps, where an epoch has {steps_per_epoch} steps ({want} expected)",
+                self.steps,
+                self.epoch + 1,
+                self.adam.step_t
+            ));
+        }
+        Ok(self)
     }
 
     fn read(
@@ -140,14 +168,41 @@ impl Progress {
             }
         }
         let counts = get("counts")?.to_vec1::<u32>().map_err(|e| e.to_string())?;
-        let [epoch, step_t, best_epoch] = counts[..] else {
-            return Err(format!("`counts` holds {} values, not 3", counts.len()));
+        // Files written before steps inside an epoch were saved hold three
+        // counts: an epoch's end.
+        let (epoch, step_t, best_epoch, steps) = match counts[..] {
+            [e, t, b] => (e, t, b, 0),
+            [e, t, b, s] => (e, t, b, s),
+            _ => {
+                return Err(format!(
+                    "`counts` holds {} values, not 3 or 4",
+                    counts.len()
+                ))
+            }
         };
-        let (epoch, best_epoch) = (epoch as usize, best_epoch as usize);
+        let (epoch, best_epoch, steps) = (epoch as usize, best_epoch as usize, steps as usize);
+        let partial_loss = match map.get("partial_loss") {
+            Some(t) => t
+                .to_vec1::<f64>()
+                .map_err(|e| format!("`partial_loss`: {e}"))?
+                .first()
+                .copied()
+                .ok_or("`partial_loss` is empty")?,
+            None if steps == 0 => 0.0,
+            None => {
+                return Err(format!(
+                    "{steps} steps into an epoch without `partial_loss`"
+                ))
+            }
+        };
         let curve = curve_rows(&get("curve")?)?;
-        if epoch > epochs || curve.len() != epoch + 1 || best_epoch > epoch {
+        if epoch > epochs
+            || (steps > 0 && epoch == epochs)
+            || curve.len() != epoch + 1
+            || best_epoch > epoch
+        {
             return Err(format!(
-                "{epoch} epochs finished of {epochs}, {} curve rows, kept epoch {best_epoch}",
+                "{epoch} epochs finished of {epochs} and {steps} steps of the next, {} curve rows, kept epoch {best_epoch}",
                 curve.len()
             ));
         }
@@ -179,6 +234,8 @@ impl Progress {
         }
         Ok(Progress {
             epoch,
+            steps,
+            partial_loss,
             names: names.to_vec(),
             params: list("param")?,
             adam: AdamState {
