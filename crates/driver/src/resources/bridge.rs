@@ -1059,8 +1059,32 @@ fn save_progress(p: &Progress, path: &Path, field: &str) {
 }
 
 /// How often a training saves its progress inside an epoch (at most once
-/// a step): a training cut short loses at most this much of its epoch.
+/// a step), unless `$TOLERABLE_PROGRESS_SECS` says otherwise: a training
+/// cut short loses at most this much of its epoch.
 const PROGRESS_EVERY: Duration = Duration::from_secs(60);
+
+/// The environment variable that sets, in seconds, how often a training
+/// saves its progress inside an epoch (0: after every step).
+pub const PROGRESS_SECS_ENV: &str = "TOLERABLE_PROGRESS_SECS";
+
+/// How often a training saves its progress inside an epoch: `value` (the
+/// environment variable's, if set) in seconds, else [`PROGRESS_EVERY`]; a
+/// value that is not a number of seconds is refused by name.
+fn progress_every(value: Option<&str>) -> Result<Duration> {
+    match value {
+        None => Ok(PROGRESS_EVERY),
+        Some(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .ok_or_else(|| {
+                DriverError::Config(format!(
+                    "${PROGRESS_SECS_ENV} is `{v}`, not a number of seconds (at least 0)"
+                ))
+            }),
+    }
+}
 
 /// Shuffles the training order for `epoch` (each epoch shuffles the order
 /// the previous one left).
@@ -1235,6 +1259,7 @@ impl ResourceKind for BridgeSpec {
                 "{field}: bridges train on the f32 path (quantized projections pass no gradient); run with precision = \"f32\""
             )));
         }
+        let save_every = progress_every(std::env::var(PROGRESS_SECS_ENV).ok().as_deref())?;
         let cfg = model.config().clone();
         let plan = self.compile(&field, &cfg)?;
         let n = self.train_items + self.slice_items;
@@ -1296,7 +1321,7 @@ impl ResourceKind for BridgeSpec {
                 },
                 &|s: &Vec<RouterLayer>| slice_scores(&slice, &|e| router_score(model, e, &s[0])),
                 cx.progress.as_deref(),
-                PROGRESS_EVERY,
+                save_every,
             )?;
             cx.note_resumed(done.resumed_after);
             return Ok(Arc::new(BridgeValue {
@@ -1359,7 +1384,7 @@ impl ResourceKind for BridgeSpec {
                 slice_scores(&slice, &|e| score(model, e, &spec))
             },
             cx.progress.as_deref(),
-            PROGRESS_EVERY,
+            save_every,
         )?;
         cx.note_resumed(done.resumed_after);
         Ok(Arc::new(BridgeValue {
@@ -2154,6 +2179,26 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         let over = train(&fresh(), Some(&path), None, band).unwrap();
         assert_eq!(over.resumed_after, None);
         assert_eq!(bits(&over.kept), bits(&whole.kept));
+    }
+
+    /// How often progress is saved inside an epoch: a minute unless the
+    /// environment says otherwise in seconds; anything else is refused by
+    /// the variable's name.
+    #[test]
+    fn the_progress_interval_is_a_minute_or_the_environments_seconds() {
+        assert_eq!(progress_every(None).unwrap(), Duration::from_secs(60));
+        assert_eq!(progress_every(Some("0")).unwrap(), Duration::ZERO);
+        assert_eq!(
+            progress_every(Some(" 2.5 ")).unwrap(),
+            Duration::from_millis(2500)
+        );
+        for bad in ["-1", "soon", "", "inf", "NaN"] {
+            let e = progress_every(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains("TOLERABLE_PROGRESS_SECS") && e.contains(&format!("`{bad}`")),
+                "{e}"
+            );
+        }
     }
 
     /// A mini-batch step (`batch > 1`) minimises the mean of its examples'
