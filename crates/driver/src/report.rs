@@ -344,9 +344,13 @@ fn render(
         for (name, r) in res {
             // A build resumed from an earlier invocation's progress timed
             // only its own part.
+            let steps = match r["build_resumed_after_steps"].as_u64() {
+                Some(s) if s > 0 => format!(" and {s} steps of the next"),
+                _ => String::new(),
+            };
             let resumed = r["build_resumed_after_epoch"]
                 .as_u64()
-                .map(|e| format!(" in its last invocation, resumed after epoch {e}"))
+                .map(|e| format!(" in its last invocation, resumed after epoch {e}{steps}"))
                 .unwrap_or_default();
             let _ = writeln!(
                 md,

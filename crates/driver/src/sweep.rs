@@ -372,6 +372,9 @@ pub struct ObtainedResource {
     /// invocation cut short (`build_seconds` then leaves out the epochs
     /// before it).
     pub resumed_after_epoch: Option<usize>,
+    /// The steps of the next epoch its build resumed after (0 at an
+    /// epoch's end; `build_seconds` leaves them out too).
+    pub resumed_after_steps: Option<usize>,
     /// Training items it was fitted on.
     pub items: Vec<String>,
     /// Why a cached copy was not used (when it was rebuilt): another
@@ -481,7 +484,11 @@ pub fn obtain_resources(
                         meta.build_seconds,
                         None,
                         meta.value_sha256,
-                        meta.resumed_after_epoch,
+                        meta.resumed_after_epoch
+                            .map(|epoch| crate::resources::ResumedAt {
+                                epoch,
+                                steps: meta.resumed_after_steps.unwrap_or(0),
+                            }),
                     )
                 }
                 Err(why) => {
@@ -526,7 +533,8 @@ pub fn obtain_resources(
                             items: ids.clone(),
                             value_sha256: String::new(),
                             build_seconds: secs,
-                            resumed_after_epoch: resumed,
+                            resumed_after_epoch: resumed.map(|r| r.epoch),
+                            resumed_after_steps: resumed.map(|r| r.steps),
                         },
                     )?;
                     // Saved: the training progress is no longer needed.
@@ -537,7 +545,12 @@ pub fn obtain_resources(
                         }
                     }
                     let how = resumed
-                        .map(|e| format!(" this invocation, resumed after epoch {e}"))
+                        .map(|r| {
+                            format!(
+                                " this invocation, resumed after epoch {} and {} steps of the next",
+                                r.epoch, r.steps
+                            )
+                        })
                         .unwrap_or_default();
                     tracing::info!("resource `{name}` built in {secs:.1} s{how} ({hash})");
                     (v, obtained, secs, rejected, sum, resumed)
@@ -553,7 +566,8 @@ pub fn obtain_resources(
                 items: ids,
                 rejected,
                 value_sha256,
-                resumed_after_epoch: resumed_after,
+                resumed_after_epoch: resumed_after.map(|r| r.epoch),
+                resumed_after_steps: resumed_after.map(|r| r.steps),
                 eval_answers: train.eval.answer_mentions(&r.items),
             },
         );
@@ -611,6 +625,7 @@ pub(crate) fn resources_meta(
                     "rejected_cache": o.rejected,
                     "build_seconds": o.build_seconds,
                     "build_resumed_after_epoch": o.resumed_after_epoch,
+                    "build_resumed_after_steps": o.resumed_after_steps,
                     "training_items": o.items,
                     "eval_answers_in_training": o.eval_answers,
                     "summary": values

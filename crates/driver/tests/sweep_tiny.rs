@@ -1761,9 +1761,11 @@ fn a_bridge_build_resumes_from_its_progress_file() {
     // run.json and the cached copy's meta.json say the build resumed, so
     // its build seconds are read as the last invocation's part.
     assert_eq!(b["build_resumed_after_epoch"], 2);
+    assert_eq!(b["build_resumed_after_steps"], 0);
     let stored: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(folder.join("meta.json")).unwrap()).unwrap();
     assert_eq!(stored["resumed_after_epoch"], 2);
+    assert_eq!(stored["resumed_after_steps"], 0);
     // The report says its build time is the last invocation's part.
     let md =
         std::fs::read_to_string(tolerable_driver::report::write(&dir.path().join("b")).unwrap())
@@ -1784,6 +1786,44 @@ fn a_bridge_build_resumes_from_its_progress_file() {
     for (key, want) in names.iter().zip(&kept) {
         assert_eq!(flat(&value[key]), flat(want), "{key}");
     }
+    // Killed three steps into its second epoch (of four steps): the build
+    // takes the last step and says where it resumed.
+    let inside = Progress {
+        epoch: 1,
+        steps: 3,
+        partial_loss: 4.5,
+        names: names.clone(),
+        params: trained.clone(),
+        adam: AdamState {
+            first: planted.adam.first.clone(),
+            second: planted.adam.second.clone(),
+            step_t: 7,
+        },
+        kept: Some(kept.clone()),
+        curve: curve[..2].to_vec(),
+        best_epoch: 1,
+    };
+    std::fs::remove_dir_all(&folder).unwrap();
+    inside.save(&progress).unwrap();
+    sweep::run(&cfg, &opts("d")).unwrap();
+    let d = meta("d")["resources"]["qb"].clone();
+    assert_eq!(d["obtained"], "built");
+    assert_eq!(
+        (
+            &d["build_resumed_after_epoch"],
+            &d["build_resumed_after_steps"]
+        ),
+        (&serde_json::json!(1), &serde_json::json!(3)),
+        "{d}"
+    );
+    let md =
+        std::fs::read_to_string(tolerable_driver::report::write(&dir.path().join("d")).unwrap())
+            .unwrap();
+    assert!(
+        md.contains("resumed after epoch 1 and 3 steps of the next"),
+        "{md}"
+    );
+    assert!(!progress.exists(), "the progress outlived the saved bridge");
     // A corrupt progress file: trained from the start, as the first run.
     std::fs::remove_dir_all(&folder).unwrap();
     std::fs::write(&progress, b"cut off mid-write").unwrap();

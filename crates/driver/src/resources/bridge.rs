@@ -841,7 +841,7 @@ struct Trained<S> {
     curve: Vec<[f64; 4]>,
     best_epoch: usize,
     stopped: Option<(usize, usize)>,
-    resumed_after: Option<usize>,
+    resumed_after: Option<super::ResumedAt>,
 }
 
 /// The training loop every bridge shares: AdamW on `params`, `spec.batch`
@@ -907,7 +907,10 @@ fn train_loop<S: Clone>(
         },
         None => None,
     };
-    let resumed_after = saved.as_ref().map(|p| p.epoch);
+    let resumed_after = saved.as_ref().map(|p| super::ResumedAt {
+        epoch: p.epoch,
+        steps: p.steps,
+    });
     // Steps already taken of the first epoch to run, and their summed loss.
     let (skip, partial_loss) = saved
         .as_ref()
@@ -2008,7 +2011,10 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         );
         assert_eq!(whole.resumed_after, None);
         let resumed = train(&fresh(), Some(&path), None, band).unwrap();
-        assert_eq!(resumed.resumed_after, Some(3));
+        assert_eq!(
+            resumed.resumed_after,
+            Some(super::super::ResumedAt { epoch: 3, steps: 0 })
+        );
         assert_eq!(bits(&resumed.kept), bits(&whole.kept));
         assert_eq!(bits(&resumed.init), bits(&whole.init));
         assert_eq!(resumed.best_epoch, whole.best_epoch);
@@ -2114,7 +2120,10 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         );
         assert!(mid.partial_loss > 0.0);
         let on = train_every(&fresh(), Some(&inside), None, band, every).unwrap();
-        assert_eq!(on.resumed_after, Some(1));
+        assert_eq!(
+            on.resumed_after,
+            Some(super::super::ResumedAt { epoch: 1, steps: 2 })
+        );
         assert_eq!(bits(&on.kept), bits(&whole.kept));
         assert_eq!(curve_bits(&on.curve), curve_bits(&whole.curve));
         // Steps that do not fit the training (an epoch of fewer steps, or an

@@ -125,17 +125,28 @@ pub struct BuildCx<'a> {
     /// again (a bridge's training examples, `resources/kept.rs`); `None` keeps it in
     /// memory only.
     pub shared_dir: Option<PathBuf>,
-    /// The epoch a build resumed after, from its progress file (set by the
-    /// build; read by the sweep for `run.json`): its build seconds then
-    /// count only the last invocation's part.
-    pub resumed_after: std::sync::OnceLock<usize>,
+    /// Where a build resumed, from its progress file (set by the build;
+    /// read by the sweep for `run.json`): its build seconds then count
+    /// only the last invocation's part.
+    pub resumed_after: std::sync::OnceLock<ResumedAt>,
+}
+
+/// Where a training cut short resumed: after `epoch` finished epochs and
+/// `steps` steps of the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResumedAt {
+    /// Epochs finished before the resume.
+    pub epoch: usize,
+    /// Steps of the next epoch taken before the resume (0 at an epoch's
+    /// end).
+    pub steps: usize,
 }
 
 impl BuildCx<'_> {
-    /// Records that the build resumed after `epoch` (when it did).
-    pub fn note_resumed(&self, epoch: Option<usize>) {
-        if let Some(e) = epoch {
-            let _ = self.resumed_after.set(e);
+    /// Records where the build resumed (when it did).
+    pub fn note_resumed(&self, at: Option<ResumedAt>) {
+        if let Some(at) = at {
+            let _ = self.resumed_after.set(at);
         }
     }
 }

@@ -30,6 +30,11 @@ pub struct Meta {
     /// it. Absent in files written before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resumed_after_epoch: Option<usize>,
+    /// The steps of the next epoch the build resumed after (0 at an
+    /// epoch's end; absent where no resume, or in files written before
+    /// steps inside an epoch were saved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_after_steps: Option<usize>,
 }
 
 /// How a resource was obtained in this run.
