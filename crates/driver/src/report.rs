@@ -344,13 +344,15 @@ fn render(
         for (name, r) in res {
             // A build resumed from an earlier invocation's progress timed
             // only its own part.
-            let steps = match r["build_resumed_after_steps"].as_u64() {
-                Some(s) if s > 0 => format!(" and {s} steps of the next"),
-                _ => String::new(),
-            };
             let resumed = r["build_resumed_after_epoch"]
                 .as_u64()
-                .map(|e| format!(" in its last invocation, resumed after epoch {e}{steps}"))
+                .map(|e| {
+                    let at = crate::resources::ResumedAt {
+                        epoch: e as usize,
+                        steps: r["build_resumed_after_steps"].as_u64().unwrap_or(0) as usize,
+                    };
+                    format!(" in its last invocation, resumed after {at}")
+                })
                 .unwrap_or_default();
             let _ = writeln!(
                 md,

@@ -545,12 +545,7 @@ pub fn obtain_resources(
                         }
                     }
                     let how = resumed
-                        .map(|r| {
-                            format!(
-                                " this invocation, resumed after epoch {} and {} steps of the next",
-                                r.epoch, r.steps
-                            )
-                        })
+                        .map(|r| format!(" this invocation, resumed after {r}"))
                         .unwrap_or_default();
                     tracing::info!("resource `{name}` built in {secs:.1} s{how} ({hash})");
                     (v, obtained, secs, rejected, sum, resumed)

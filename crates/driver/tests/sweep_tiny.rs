@@ -1681,8 +1681,10 @@ fn a_bridge_is_trained_cached_recorded_and_bit_exact_at_zero_init() {
 /// A bridge whose training was cut short resumes from the progress file
 /// the sweep keeps beside the resource cache: a sweep that finds the
 /// progress of a finished last epoch trains nothing more and keeps that
-/// file's kept parameters; the file is removed once the bridge is saved;
-/// a corrupt one is set aside and the bridge trained from the start.
+/// file's kept parameters; one saved three steps into an epoch is resumed
+/// there, and run.json and the report say where; the file is removed once
+/// the bridge is saved; a corrupt one is set aside and the bridge trained
+/// from the start.
 #[test]
 fn a_bridge_build_resumes_from_its_progress_file() {
     use candle_core::{Device, Tensor};

@@ -950,6 +950,36 @@ fn train_loop<S: Clone>(
         }
     };
     let mut best = (curve[best_epoch][3], -curve[best_epoch][2]);
+    // Saves the progress after `at` = (epochs finished, steps of the next,
+    // their summed loss); a file that cannot be written costs a resume,
+    // not the training, and is logged.
+    let save = |path: &Path,
+                at: (usize, usize, f64),
+                opt: &super::optim::AdamW,
+                kept: &Option<Vec<Tensor>>,
+                curve: &[[f64; 4]],
+                best_epoch: usize|
+     -> Result<()> {
+        let (epoch, steps, partial_loss) = at;
+        let p = Progress {
+            epoch,
+            steps,
+            partial_loss,
+            names: names.clone(),
+            params: copy_all()?,
+            adam: opt.state()?,
+            kept: kept.clone(),
+            curve: curve.to_vec(),
+            best_epoch,
+        };
+        if let Err(e) = p.save(path) {
+            tracing::warn!(
+                "{field}: the progress after epoch {epoch} and {steps} steps was not saved to {}: {e}",
+                path.display()
+            );
+        }
+        Ok(())
+    };
     let mut stopped = None;
     let mut last_save = Instant::now();
     'epochs: for epoch in first..=spec.epochs {
@@ -988,18 +1018,8 @@ fn train_loop<S: Clone>(
             if let Some(path) =
                 progress.filter(|_| step + 1 < steps_per_epoch && last_save.elapsed() >= save_every)
             {
-                let p = Progress {
-                    epoch: epoch - 1,
-                    steps: step + 1,
-                    partial_loss: total,
-                    names: names.clone(),
-                    params: copy_all()?,
-                    adam: opt.state()?,
-                    kept: kept_params.clone(),
-                    curve: curve.clone(),
-                    best_epoch,
-                };
-                save_progress(&p, path, field);
+                let at = (epoch - 1, step + 1, total);
+                save(path, at, &opt, &kept_params, &curve, best_epoch)?;
                 last_save = Instant::now();
             }
         }
@@ -1023,18 +1043,14 @@ fn train_loop<S: Clone>(
             kept_params = Some(copy_all()?);
         }
         if let Some(path) = progress {
-            let p = Progress {
-                epoch,
-                steps: 0,
-                partial_loss: 0.0,
-                names: names.clone(),
-                params: copy_all()?,
-                adam: opt.state()?,
-                kept: kept_params.clone(),
-                curve: curve.clone(),
+            save(
+                path,
+                (epoch, 0, 0.0),
+                &opt,
+                &kept_params,
+                &curve,
                 best_epoch,
-            };
-            save_progress(&p, path, field);
+            )?;
             last_save = Instant::now();
         }
     }
@@ -1048,22 +1064,10 @@ fn train_loop<S: Clone>(
     })
 }
 
-/// Saves `p` to `path`; a progress file that cannot be written costs a
-/// resume, not the training, and is logged.
-fn save_progress(p: &Progress, path: &Path, field: &str) {
-    if let Err(e) = p.save(path) {
-        tracing::warn!(
-            "{field}: the progress after epoch {} and {} steps was not saved to {}: {e}",
-            p.epoch,
-            p.steps,
-            path.display()
-        );
-    }
-}
-
-/// How often a training saves its progress inside an epoch (at most once
-/// a step), unless `$TOLERABLE_PROGRESS_SECS` says otherwise: a training
-/// cut short loses at most this much of its epoch.
+/// How often a training saves its progress inside an epoch (after the
+/// first step this long after the last save), unless
+/// `$TOLERABLE_PROGRESS_SECS` says otherwise: a training cut short loses
+/// about this much of its epoch, a step and a save more at most.
 const PROGRESS_EVERY: Duration = Duration::from_secs(60);
 
 /// The environment variable that sets, in seconds, how often a training
@@ -1948,13 +1952,18 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         // (the process dies mid-epoch). The slice is the training loss; its
         // accuracy is 1 inside `band` and 0 outside, so that the kept epoch
         // can be one before the cut.
-        // `every` is how often a step's progress is saved inside an epoch;
-        // `None`, at epochs' ends only.
+        // `every` is how often a step's progress is saved inside an epoch
+        // (`Duration::MAX`: at epochs' ends only); `batch` examples a step.
         let train_every = |vars: &[Var],
                            progress: Option<&Path>,
                            fail_at: Option<usize>,
                            band: (f64, f64),
-                           every: Option<Duration>| {
+                           every: Duration,
+                           batch: usize| {
+            let spec = BridgeSpec {
+                batch,
+                ..spec.clone()
+            };
             let calls = std::cell::Cell::new(0usize);
             let snapshot = || -> Result<Vec<Tensor>> {
                 vars.iter()
@@ -1980,12 +1989,12 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
                     Ok((l, (band.0 < l && l < band.1) as u8 as f64))
                 },
                 progress,
-                every.unwrap_or(Duration::MAX),
+                every,
             )
         };
         let train =
             |vars: &[Var], progress: Option<&Path>, fail_at: Option<usize>, band: (f64, f64)| {
-                train_every(vars, progress, fail_at, band, None)
+                train_every(vars, progress, fail_at, band, Duration::MAX, 1)
             };
         // The slice losses of a first training set the band around epoch 2.
         let probe = train(&fresh(), None, None, (0.0, 0.0)).unwrap();
@@ -2108,8 +2117,8 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         // (the third step fails) resumes after that epoch's second step:
         // the same bits, the epoch's mean training loss among them.
         let inside = dir.path().join("bridge-s.progress.safetensors");
-        let every = Some(Duration::ZERO);
-        assert!(train_every(&fresh(), Some(&inside), Some(9), band, every).is_err());
+        let every = Duration::ZERO;
+        assert!(train_every(&fresh(), Some(&inside), Some(9), band, every, 1).is_err());
         let mid = Progress::load(&inside, &names, &fresh(), 4)
             .unwrap()
             .unwrap()
@@ -2119,7 +2128,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             (1, 2, 8, 2)
         );
         assert!(mid.partial_loss > 0.0);
-        let on = train_every(&fresh(), Some(&inside), None, band, every).unwrap();
+        let on = train_every(&fresh(), Some(&inside), None, band, every, 1).unwrap();
         assert_eq!(
             on.resumed_after,
             Some(super::super::ResumedAt { epoch: 1, steps: 2 })
@@ -2167,6 +2176,47 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             .err()
             .unwrap();
         assert!(why.contains("1 steps of the next"), "{why}");
+        // A summed loss that is not one finite value, or not zero at an
+        // epoch's end, is refused.
+        for (steps, loss) in [(0usize, 0.5f64), (2, f64::NAN)] {
+            let mut odd = Progress::load(&inside, &names, &fresh(), 4)
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            (odd.epoch, odd.steps, odd.partial_loss) = (1, steps, loss);
+            odd.curve.truncate(2);
+            let odd_path = dir.path().join("bridge-l.progress.safetensors");
+            odd.save(&odd_path).unwrap();
+            let why = Progress::load(&odd_path, &names, &fresh(), 4)
+                .unwrap()
+                .unwrap()
+                .err()
+                .unwrap();
+            assert!(why.contains("`partial_loss` is"), "{why}");
+        }
+        // Four examples a step over six items (steps of 4 and 2), killed
+        // in the second step of epoch 2: resumed after its first step, the
+        // same bits as four a step uninterrupted.
+        let whole4 = train_every(&fresh(), None, None, band, Duration::MAX, 4).unwrap();
+        let batched = dir.path().join("bridge-b.progress.safetensors");
+        assert!(train_every(&fresh(), Some(&batched), Some(4), band, every, 4).is_err());
+        let cut = Progress::load(&batched, &names, &fresh(), 4)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!((cut.epoch, cut.steps, cut.adam.step_t), (1, 1, 3));
+        let on4 = train_every(&fresh(), Some(&batched), None, band, every, 4).unwrap();
+        assert_eq!(
+            on4.resumed_after,
+            Some(super::super::ResumedAt { epoch: 1, steps: 1 })
+        );
+        assert_eq!(bits(&on4.kept), bits(&whole4.kept));
+        assert_eq!(curve_bits(&on4.curve), curve_bits(&whole4.curve));
+        assert_ne!(
+            curve_bits(&whole4.curve),
+            curve_bits(&whole.curve),
+            "four a step trains as one a step"
+        );
         // A file of an epoch's end written before steps were saved (three
         // counts, no summed loss) is read as that epoch's end.
         let mut map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();

@@ -142,6 +142,17 @@ pub struct ResumedAt {
     pub steps: usize,
 }
 
+impl std::fmt::Display for ResumedAt {
+    /// "epoch 2", or "epoch 1 and 3 steps of the next".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "epoch {}", self.epoch)?;
+        if self.steps > 0 {
+            write!(f, " and {} steps of the next", self.steps)?;
+        }
+        Ok(())
+    }
+}
+
 impl BuildCx<'_> {
     /// Records where the build resumed (when it did).
     pub fn note_resumed(&self, at: Option<ResumedAt>) {

@@ -8,12 +8,16 @@
 //! the optimizer's moments and step count, the slice curve so far, the kept
 //! (best) epoch and its parameters, and inside an epoch the steps taken and
 //! their summed loss. The epochs' shuffled orders are replayed from the
-//! seed, so a resumed training gives the bits an uninterrupted one gives. The resource hash in the file name covers the spec and the
-//! receiver; the file is removed once the resource is saved. The file names
+//! seed, so a resumed training gives the bits an uninterrupted one gives.
+//! The resource hash in the file name covers the spec and the receiver;
+//! the file is removed once the resource is saved. The file names
 //! the parameters in training order (`layout`), so that a training whose
 //! code orders them otherwise sets the file aside instead of reading one
 //! parameter's values into another of the same shape; files written before
-//! the names were kept are read by position, shapes checked.
+//! the names were kept are read by position, shapes checked. Files written
+//! before steps inside an epoch were saved (three counts) are read as an
+//! epoch's end; binaries of that time refuse the newer files (four counts)
+//! and train from the start.
 
 use super::optim::AdamState;
 use crate::error::Result;
@@ -35,9 +39,10 @@ pub struct Progress {
     /// value file gives them (a layer's A and B of a projection, a
     /// router's W_q and W_k).
     pub names: Vec<String>,
-    /// The parameters after `epoch`, in training order.
+    /// The parameters after `epoch` epochs and `steps` steps of the next,
+    /// in training order.
     pub params: Vec<Tensor>,
-    /// The optimizer's state after `epoch`.
+    /// The optimizer's state at the same point.
     pub adam: AdamState,
     /// The parameters of the kept (best) epoch; `None` while the initial
     /// parameters are kept.
@@ -51,7 +56,7 @@ pub struct Progress {
 
 impl Progress {
     /// Writes the progress to `path` atomically (a temporary file, then a
-    /// rename): a reader finds the previous epoch's file or this one.
+    /// rename): a reader finds the previous save's file or this one.
     pub fn save(&self, path: &Path) -> Result<()> {
         let mut map: HashMap<String, Tensor> = HashMap::new();
         for (i, t) in self.params.iter().enumerate() {
@@ -88,7 +93,7 @@ impl Progress {
             Tensor::new(&[self.partial_loss], &Device::Cpu)?,
         );
         // Synced: a machine that stops, not only a killed process, leaves
-        // the previous epoch's file or this one.
+        // the previous save's file or this one.
         super::files::save_atomic(&map, path, true)
     }
 
@@ -181,13 +186,17 @@ impl Progress {
             }
         };
         let (epoch, best_epoch, steps) = (epoch as usize, best_epoch as usize, steps as usize);
+        // The summed loss of the steps taken: one finite value, zero at an
+        // epoch's end (it is added to the resumed epoch's mean).
         let partial_loss = match map.get("partial_loss") {
-            Some(t) => t
-                .to_vec1::<f64>()
-                .map_err(|e| format!("`partial_loss`: {e}"))?
-                .first()
-                .copied()
-                .ok_or("`partial_loss` is empty")?,
+            Some(t) => match t.to_vec1::<f64>().map_err(|e| format!("`partial_loss`: {e}"))?[..] {
+                [v] if v.is_finite() && (steps > 0 || v == 0.0) => v,
+                ref other => {
+                    return Err(format!(
+                        "`partial_loss` is {other:?} after {steps} steps of an epoch, not one finite sum (zero at an epoch's end)"
+                    ))
+                }
+            },
             None if steps == 0 => 0.0,
             None => {
                 return Err(format!(
