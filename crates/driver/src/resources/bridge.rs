@@ -1996,6 +1996,20 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             |vars: &[Var], progress: Option<&Path>, fail_at: Option<usize>, band: (f64, f64)| {
                 train_every(vars, progress, fail_at, band, Duration::MAX, 1)
             };
+        // The progress a file holds for this training, or why it is refused.
+        let loaded = |p: &Path| {
+            Progress::load(p, &names, &fresh(), 4)
+                .unwrap()
+                .unwrap()
+                .unwrap()
+        };
+        let refused = |p: &Path| {
+            Progress::load(p, &names, &fresh(), 4)
+                .unwrap()
+                .unwrap()
+                .err()
+                .unwrap()
+        };
         // The slice losses of a first training set the band around epoch 2.
         let probe = train(&fresh(), None, None, (0.0, 0.0)).unwrap();
         let l: Vec<f64> = probe.curve.iter().map(|r| r[2]).collect();
@@ -2010,10 +2024,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         // the kept parameters (epoch 2) among them.
         let err = train(&fresh(), Some(&path), Some(21), band).err().unwrap();
         assert!(err.to_string().contains("killed"));
-        let saved = Progress::load(&path, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let saved = loaded(&path);
         assert_eq!(
             (saved.epoch, saved.adam.step_t, saved.best_epoch),
             (3, 18, 2)
@@ -2032,10 +2043,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         assert_eq!(curve_bits(&resumed.curve), curve_bits(&whole.curve));
         // Resumed after epoch 3 of 4 with the optimizer state of a fresh
         // optimizer, the last epoch goes elsewhere: the moments matter.
-        let mut no_moments = Progress::load(&path, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let mut no_moments = loaded(&path);
         assert_eq!(no_moments.epoch, 4);
         let probe_path = dir.path().join("bridge-y.progress.safetensors");
         no_moments.epoch = 3;
@@ -2081,10 +2089,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
             "{why}"
         );
         // A file written before the layout was kept is read by position.
-        let saved_last = Progress::load(&path, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let saved_last = loaded(&path);
         let mut map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
         assert!(map.remove("layout").is_some());
         let unnamed = dir.path().join("bridge-u.progress.safetensors");
@@ -2107,11 +2112,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         );
         let odd = dir.path().join("bridge-z.progress.safetensors");
         candle_core::safetensors::save(&map, &odd).unwrap();
-        let why = Progress::load(&odd, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .err()
-            .unwrap();
+        let why = refused(&odd);
         assert!(why.contains("curve"), "{why}");
         // Saved at every step, a training killed inside its second epoch
         // (the third step fails) resumes after that epoch's second step:
@@ -2119,10 +2120,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         let inside = dir.path().join("bridge-s.progress.safetensors");
         let every = Duration::ZERO;
         assert!(train_every(&fresh(), Some(&inside), Some(9), band, every, 1).is_err());
-        let mid = Progress::load(&inside, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let mid = loaded(&inside);
         assert_eq!(
             (mid.epoch, mid.steps, mid.adam.step_t, mid.curve.len()),
             (1, 2, 8, 2)
@@ -2137,61 +2135,38 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         assert_eq!(curve_bits(&on.curve), curve_bits(&whole.curve));
         // Steps that do not fit the training (an epoch of fewer steps, or an
         // optimizer count that is not the steps') are not used.
-        let mid = Progress::load(&inside, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let mid = loaded(&inside);
         assert_eq!(mid.steps, 0, "the finished training saved its last epoch");
-        let mut odd_steps = Progress::load(&path, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let mut odd_steps = loaded(&path);
         odd_steps.epoch = 3;
         odd_steps.curve.pop();
         odd_steps.steps = 6;
         odd_steps.adam.step_t = 24;
         let why = odd_steps.fits(6).err().unwrap();
         assert!(why.contains("6 steps into epoch 4"), "{why}");
-        let mut odd_count = Progress::load(&path, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let mut odd_count = loaded(&path);
         odd_count.steps = 0;
         odd_count.adam.step_t = 23;
         let why = odd_count.fits(6).err().unwrap();
         assert!(why.contains("(24 expected)"), "{why}");
         // Steps into an epoch the training does not have are refused.
-        let mut past = Progress::load(&path, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let mut past = loaded(&path);
         past.steps = 1;
         past.partial_loss = 0.5;
         past.adam.step_t = 25;
         let past_path = dir.path().join("bridge-p.progress.safetensors");
         past.save(&past_path).unwrap();
-        let why = Progress::load(&past_path, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .err()
-            .unwrap();
+        let why = refused(&past_path);
         assert!(why.contains("1 steps of the next"), "{why}");
         // A summed loss that is not one finite value, or not zero at an
         // epoch's end, is refused.
         for (steps, loss) in [(0usize, 0.5f64), (2, f64::NAN)] {
-            let mut odd = Progress::load(&inside, &names, &fresh(), 4)
-                .unwrap()
-                .unwrap()
-                .unwrap();
+            let mut odd = loaded(&inside);
             (odd.epoch, odd.steps, odd.partial_loss) = (1, steps, loss);
             odd.curve.truncate(2);
             let odd_path = dir.path().join("bridge-l.progress.safetensors");
             odd.save(&odd_path).unwrap();
-            let why = Progress::load(&odd_path, &names, &fresh(), 4)
-                .unwrap()
-                .unwrap()
-                .err()
-                .unwrap();
+            let why = refused(&odd_path);
             assert!(why.contains("`partial_loss` is"), "{why}");
         }
         // Four examples a step over six items (steps of 4 and 2), killed
@@ -2200,10 +2175,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         let whole4 = train_every(&fresh(), None, None, band, Duration::MAX, 4).unwrap();
         let batched = dir.path().join("bridge-b.progress.safetensors");
         assert!(train_every(&fresh(), Some(&batched), Some(4), band, every, 4).is_err());
-        let cut = Progress::load(&batched, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let cut = loaded(&batched);
         assert_eq!((cut.epoch, cut.steps, cut.adam.step_t), (1, 1, 3));
         let on4 = train_every(&fresh(), Some(&batched), None, band, every, 4).unwrap();
         assert_eq!(
@@ -2227,10 +2199,7 @@ arm = { inject = [{ carrier = "kv", layers = "all", positions = "passage", sourc
         );
         let three = dir.path().join("bridge-t.progress.safetensors");
         candle_core::safetensors::save(&map, &three).unwrap();
-        let old = Progress::load(&three, &names, &fresh(), 4)
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let old = loaded(&three);
         assert_eq!((old.epoch, old.steps, old.partial_loss), (4, 0, 0.0));
         // A corrupt file is set aside: the training starts over and ends
         // as the uninterrupted one did.
