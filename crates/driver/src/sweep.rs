@@ -368,13 +368,9 @@ pub struct ObtainedResource {
     /// Seconds its build took (when it was built), in the invocation that
     /// finished it.
     pub build_seconds: f64,
-    /// The epoch its build resumed after, from the progress file of an
-    /// invocation cut short (`build_seconds` then leaves out the epochs
-    /// before it).
-    pub resumed_after_epoch: Option<usize>,
-    /// The steps of the next epoch its build resumed after (0 at an
-    /// epoch's end; `build_seconds` leaves them out too).
-    pub resumed_after_steps: Option<usize>,
+    /// Where its build resumed, from the progress file of an invocation
+    /// cut short (`build_seconds` then leaves out the training before it).
+    pub resumed_after: Option<crate::resources::ResumedAt>,
     /// Training items it was fitted on.
     pub items: Vec<String>,
     /// Why a cached copy was not used (when it was rebuilt): another
@@ -483,12 +479,8 @@ pub fn obtain_resources(
                         Obtained::Cached,
                         meta.build_seconds,
                         None,
-                        meta.value_sha256,
-                        meta.resumed_after_epoch
-                            .map(|epoch| crate::resources::ResumedAt {
-                                epoch,
-                                steps: meta.resumed_after_steps.unwrap_or(0),
-                            }),
+                        meta.value_sha256.clone(),
+                        meta.resumed_after(),
                     )
                 }
                 Err(why) => {
@@ -561,8 +553,7 @@ pub fn obtain_resources(
                 items: ids,
                 rejected,
                 value_sha256,
-                resumed_after_epoch: resumed_after.map(|r| r.epoch),
-                resumed_after_steps: resumed_after.map(|r| r.steps),
+                resumed_after,
                 eval_answers: train.eval.answer_mentions(&r.items),
             },
         );
@@ -619,8 +610,8 @@ pub(crate) fn resources_meta(
                     "obtained": o.obtained,
                     "rejected_cache": o.rejected,
                     "build_seconds": o.build_seconds,
-                    "build_resumed_after_epoch": o.resumed_after_epoch,
-                    "build_resumed_after_steps": o.resumed_after_steps,
+                    "build_resumed_after_epoch": o.resumed_after.map(|r| r.epoch),
+                    "build_resumed_after_steps": o.resumed_after.map(|r| r.steps),
                     "training_items": o.items,
                     "eval_answers_in_training": o.eval_answers,
                     "summary": values
