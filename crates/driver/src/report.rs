@@ -344,16 +344,13 @@ fn render(
         for (name, r) in res {
             // A build resumed from an earlier invocation's progress timed
             // only its own part.
-            let resumed = r["build_resumed_after_epoch"]
-                .as_u64()
-                .map(|e| {
-                    let at = crate::resources::ResumedAt {
-                        epoch: e as usize,
-                        steps: r["build_resumed_after_steps"].as_u64().unwrap_or(0) as usize,
-                    };
-                    format!(" in its last invocation, resumed after {at}")
-                })
-                .unwrap_or_default();
+            let field = |k: &str| r[k].as_u64().map(|v| v as usize);
+            let resumed = crate::resources::ResumedAt::from_record(
+                field("build_resumed_after_epoch"),
+                field("build_resumed_after_steps"),
+            )
+            .map(|at| format!(" in its last invocation, resumed after {at}"))
+            .unwrap_or_default();
             let _ = writeln!(
                 md,
                 "- `{name}`: {} hash `{}`, {} ({} training items, built in {:.1} s{resumed})",

@@ -479,8 +479,11 @@ pub fn obtain_resources(
                         Obtained::Cached,
                         meta.build_seconds,
                         None,
-                        meta.value_sha256.clone(),
-                        meta.resumed_after(),
+                        meta.value_sha256,
+                        crate::resources::ResumedAt::from_record(
+                            meta.resumed_after_epoch,
+                            meta.resumed_after_steps,
+                        ),
                     )
                 }
                 Err(why) => {

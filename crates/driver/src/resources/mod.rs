@@ -142,6 +142,19 @@ pub struct ResumedAt {
     pub steps: usize,
 }
 
+impl ResumedAt {
+    /// Where a build resumed, read back from a record's two fields (the
+    /// epoch, and the steps of the next, absent in records written before
+    /// steps inside an epoch were saved: the resume was at the epoch's
+    /// end); none where the record has no epoch.
+    pub fn from_record(epoch: Option<usize>, steps: Option<usize>) -> Option<Self> {
+        epoch.map(|epoch| ResumedAt {
+            epoch,
+            steps: steps.unwrap_or(0),
+        })
+    }
+}
+
 impl std::fmt::Display for ResumedAt {
     /// "epoch 2", or "epoch 1 and 3 steps of the next".
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -847,5 +860,20 @@ mod tests {
         ] {
             assert_ne!(changed, h);
         }
+    }
+
+    /// A record's resume reads back as written; a record from before steps
+    /// inside an epoch were saved resumed at the epoch's end; a record
+    /// without an epoch did not resume.
+    #[test]
+    fn a_recorded_resume_reads_back() {
+        let at = ResumedAt::from_record(Some(1), Some(139)).unwrap();
+        assert_eq!((at.epoch, at.steps), (1, 139));
+        assert_eq!(at.to_string(), "epoch 1 and 139 steps of the next");
+        let old = ResumedAt::from_record(Some(2), None).unwrap();
+        assert_eq!((old.epoch, old.steps), (2, 0));
+        assert_eq!(old.to_string(), "epoch 2");
+        assert_eq!(ResumedAt::from_record(None, Some(3)), None);
+        assert_eq!(ResumedAt::from_record(None, None), None);
     }
 }

@@ -37,17 +37,6 @@ pub struct Meta {
     pub resumed_after_steps: Option<usize>,
 }
 
-impl Meta {
-    /// Where the build resumed, if it did (files written before steps
-    /// inside an epoch were saved: at the epoch's end).
-    pub fn resumed_after(&self) -> Option<super::ResumedAt> {
-        self.resumed_after_epoch.map(|epoch| super::ResumedAt {
-            epoch,
-            steps: self.resumed_after_steps.unwrap_or(0),
-        })
-    }
-}
-
 /// How a resource was obtained in this run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
