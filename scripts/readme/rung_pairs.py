@@ -64,14 +64,17 @@ def load(runs, family):
     dup = rows.duplicated(["adapter", "seed", "item_id"])
     if dup.any():
         sys.exit(f"{dup.sum()} item rows appear twice (the same adapter, seed and item)")
+    # 1.0 / 0.0 where an adapter has the item's row, NaN where it has not
+    # (a run in progress): pairings and counts use the items both have.
+    rows["correct"] = rows["correct"].astype(float)
     return rows.pivot_table(index="item_id", columns=["adapter", "seed"],
-                            values="correct", aggfunc="first").astype(bool)
+                            values="correct", aggfunc="first", dropna=False)
 
 
 def pair(table, first, second, seed):
     a, b = table[(first, seed)], table[(second, seed)]
     both = a.notna() & b.notna()
-    a, b = a[both], b[both]
+    a, b = a[both].astype(bool), b[both].astype(bool)
     gained, lost = int((b & ~a).sum()), int((a & ~b).sum())
     diff = (b.mean() - a.mean())
     return (f"seed {seed}: {second} vs {first} (n = {both.sum()}): {diff:+.3f}; "
@@ -100,7 +103,7 @@ def main():
             if (rung, seed) in have and (twin, seed) in have:
                 print(pair(table, rung, twin, seed))
     plain = [c for c in table.columns if c[0] in args.rungs]
-    complete = table[plain].dropna()
+    complete = table[plain].dropna().astype(bool)
     print(f"## items (of {len(complete)} with every plain adapter's row, "
           f"{len(plain)} adapters)")
     print(f"answered by all: {int(complete.all(axis=1).sum())}; "
