@@ -96,8 +96,10 @@ enum Cmd {
         /// Compare two arm families point by point, `family:against` (e.g.
         /// `holder_add:pool_distractors`), repeatable: each arm of the first
         /// against the second's arm at the same grid point, in the report
-        /// and `pairs.parquet`. Without it, the pairs of an earlier report
-        /// are compared again.
+        /// and `pairs.parquet`. A side may name one arm with its point
+        /// (`bridged@bridge.resource=lora_kv:bridged@bridge.resource=lora_q`):
+        /// two named arms are compared directly. Without it, the pairs of an
+        /// earlier report are compared again.
         #[arg(long = "pair", value_name = "FAMILY:AGAINST")]
         pairs: Vec<String>,
         /// Another run of the same trained arms with bridges trained from

@@ -451,7 +451,7 @@ fn render(
 fn paired_section(md: &mut String, rows: &[PairRow], interim: bool) {
     let _ = writeln!(
         md,
-        "\n## Paired comparisons\n\nEach arm of a named family against the other family's arm at the same grid point, over the items both scored (`{}`): the difference with its 95% interval (SE of two independent proportions, as the lift above), items gained / lost, exact McNemar p.\n",
+        "\n## Paired comparisons\n\nEach arm of a named family against the other family's arm at the same grid point (a pair that names two arms compares those two), over the items both scored (`{}`): the difference with its 95% interval (SE of two independent proportions, as the lift above), items gained / lost, exact McNemar p.\n",
         derived_name("pairs", interim)
     );
     let _ = writeln!(

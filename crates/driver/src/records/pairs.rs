@@ -7,6 +7,11 @@
 //! the items both scored, with the statistics of the summary's lift
 //! (`tolerable-stats`: the difference of two proportions with its 95%
 //! interval, and the paired outcomes with the exact McNemar p).
+//!
+//! A side of a pair may also name one arm with its grid point (the arm's
+//! name, `bridged@bridge.resource=lora_kv`): two points of one family
+//! (a ladder's rungs, a bridge against its answer-disjoint twin) are then
+//! compared directly, their points unmatched.
 
 use super::ItemRow;
 use crate::error::{DriverError, Result};
@@ -15,12 +20,15 @@ use std::collections::{BTreeMap, HashMap};
 use tolerable_stats::{difference, paired, Proportion};
 
 /// Two arm families compared point by point: each arm of `family` against
-/// the arms of `against` at an agreeing grid point.
+/// the arms of `against` at an agreeing grid point. Either side may name a
+/// single arm instead of a family; two named arms are compared whatever
+/// their points.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct FamilyPair {
-    /// The compared family (an arm's name before grid expansion).
+    /// The compared family (an arm's name before grid expansion), or one
+    /// arm named with its grid point.
     pub family: String,
-    /// The family it is compared against.
+    /// The family (or arm) it is compared against.
     pub against: String,
 }
 
@@ -56,9 +64,9 @@ record! {
     pub struct PairRow {
         /// Run name.
         pub run: String,
-        /// The compared family (an arm's name before grid expansion).
+        /// The compared family (an arm's name before grid expansion), or the arm as the pair named it.
         pub family: String,
-        /// The family it is compared against.
+        /// The family (or arm) it is compared against, as the pair named it.
         pub against_family: String,
         /// The compared arm, with its grid point.
         pub arm: String,
@@ -97,8 +105,10 @@ fn agree(a: &BTreeMap<String, serde_json::Value>, b: &BTreeMap<String, serde_jso
 /// The rows of `pairs` over a run's item rows: for each pair, each arm of
 /// the first family (in the order the rows first name it) against each arm
 /// of the second whose grid point agrees with its own (an arm without a
-/// grid agrees with every point). A family the run does not have, or a pair
-/// with no agreeing points, is an error naming it.
+/// grid agrees with every point). A side that names an arm of the run is
+/// that arm alone; a pair of two named arms is compared without matching
+/// their points. A family or arm the run does not have, or a pair with no
+/// agreeing points, is an error naming it.
 pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>> {
     // Arms in first-seen order, with family, point and outcome by item.
     let mut order: Vec<&str> = Vec::new();
@@ -113,13 +123,18 @@ pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>
     let point = |r: &ItemRow| -> BTreeMap<String, serde_json::Value> {
         serde_json::from_str(&r.arm.point).unwrap_or_default()
     };
-    let of_family = |f: &str| -> Vec<&str> {
-        order
-            .iter()
-            .copied()
-            .filter(|a| arms[a].0.arm.family == f)
-            .collect()
+    // A side's arms: the arm it names, else its family's.
+    let of_side = |f: &str| -> Vec<&str> {
+        match order.iter().find(|a| **a == f) {
+            Some(a) => vec![*a],
+            None => order
+                .iter()
+                .copied()
+                .filter(|a| arms[a].0.arm.family == f)
+                .collect(),
+        }
     };
+    let names_arm = |f: &str| arms.contains_key(f);
     let mut families: Vec<&str> = Vec::new();
     for a in &order {
         let f = arms[a].0.arm.family.as_str();
@@ -129,11 +144,12 @@ pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>
     }
     let mut out = Vec::new();
     for pair in pairs {
-        let (mine, theirs) = (of_family(&pair.family), of_family(&pair.against));
+        let (mine, theirs) = (of_side(&pair.family), of_side(&pair.against));
+        let both_arms = names_arm(&pair.family) && names_arm(&pair.against);
         for (f, found) in [(&pair.family, &mine), (&pair.against, &theirs)] {
             if found.is_empty() {
                 return Err(DriverError::Records(format!(
-                    "pair `{pair}`: the run has no arm of family `{f}` (its families: {})",
+                    "pair `{pair}`: the run has no arm or family `{f}` (its families: {})",
                     families.join(", ")
                 )));
             }
@@ -144,7 +160,7 @@ pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>
             let pa = point(ra);
             for b in &theirs {
                 let (rb, ob) = &arms[b];
-                if a == b || !agree(&point(rb), &pa) {
+                if a == b || (!both_arms && !agree(&point(rb), &pa)) {
                     continue;
                 }
                 let (xa, xb): (Vec<bool>, Vec<bool>) = oa
@@ -337,6 +353,50 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("no arm of `narrow` shares a grid point"), "{e}");
+    }
+
+    #[test]
+    fn a_side_may_name_one_arm_and_two_named_arms_pair_across_points() {
+        let mut items = Vec::new();
+        for l in [4, 8] {
+            let pt = format!("{{\"alpha\":1.0,\"layers\":{l}}}");
+            let right: Vec<usize> = (0..if l == 4 { 6 } else { 3 }).collect();
+            items.extend(arm("holder", &pt, &right));
+            items.extend(arm("pool", &pt, &[5, 6, 7]));
+        }
+        // Two points of one family: compared directly, points unmatched.
+        let pair: FamilyPair = "holder@alpha=1.0,layers=8:holder@alpha=1.0,layers=4"
+            .parse()
+            .unwrap();
+        let rows = pair_rows(&items, std::slice::from_ref(&pair)).unwrap();
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert_eq!(
+            (r.arm.as_str(), r.against.as_str()),
+            ("holder@alpha=1.0,layers=8", "holder@alpha=1.0,layers=4")
+        );
+        // Right on 0..3 against 0..6: nothing gained, items 3, 4, 5 lost.
+        assert_eq!((r.n_items, r.gained, r.lost), (10, 0, 3));
+        assert!((r.diff + 0.3).abs() < 1e-12);
+        assert!((r.mcnemar_p - tolerable_stats::mcnemar_exact(0, 3)).abs() < 1e-15);
+        assert_eq!(pairs_of(&rows), vec![pair]);
+
+        // A named arm against a family meets the family's agreeing point.
+        let rows = pair_rows(&items, &["holder@alpha=1.0,layers=4:pool".parse().unwrap()]).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].against, "pool@alpha=1.0,layers=4");
+
+        // An arm the run lacks is named like a missing family.
+        let e = pair_rows(
+            &items,
+            &["holder@alpha=1.0,layers=12:pool".parse().unwrap()],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("no arm or family `holder@alpha=1.0,layers=12`"),
+            "{e}"
+        );
     }
 
     #[test]
