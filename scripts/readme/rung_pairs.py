@@ -1,42 +1,33 @@
 #!/usr/bin/env python3
 """README's paired comparisons within a LoRA ladder, seed by seed: each rung
 against the lower rungs and each answer-disjoint adapter against its plain
-twin, on the same eval items, from the runs' item rows.
+twin, on the same eval items.
 
-A reader only: the rows are the sweep's `items/cell-*.parquet`; a bridged
-arm is told apart by the bridge resource it reads
-(`arm_json.bridge.resource`, `lora_q`, `lora_q@seed=1`, ...); a resource
-without a `@seed=` suffix is seed 0. For two adapters at one seed it prints
-the accuracy difference (second minus first), the items only the second
-answers (gained) and only the first answers (lost), and the exact two-sided
-McNemar p (a binomial sum over the discordant items). The report pairs
-families (`--pair`), not points of one family, which is why these pairings
-live here. It then counts the items every plain adapter of every seed
-answers, the items none does, and per rung the items it answers at every
-seed.
+A reader only: the pairings are rows of each run's `pairs.parquet`, written
+by `cargo xtask report RUN --pair A:B` with both sides naming one arm
+(`bridged@bridge.resource=lora_kv:bridged@bridge.resource=lora_q`;
+`tolerable-stats` computes the difference, the items gained and lost and
+the exact McNemar p). A run whose pairs file lacks a wanted pair stops the
+script with the report command that writes them (it keeps the run's
+earlier pairs, which a report with `--pair` would otherwise drop). The
+closing counts (items every plain adapter of every seed answers, items
+none does, and per rung the items it answers at every seed) are tallies of
+the runs' item rows.
 
     python3 scripts/readme/rung_pairs.py results/ladder-1.5b results/ladder-1.5b-seeds
 
 `--family` names the trained family (default `bridged`); `--rungs` the
-plain adapters in ladder order (default `lora_q lora_kv lora_qkv`).
+plain adapters in ladder order (default `lora_q lora_kv lora_qkv`). A
+bridge resource without a `@seed=` suffix is seed 0.
 """
 import argparse
 import glob
 import json
 import os
+import shlex
 import sys
-from math import comb
 
 import pandas as pd
-
-
-def mcnemar_p(gained, lost):
-    """Exact two-sided McNemar p: twice the smaller binomial tail at 1/2."""
-    n = gained + lost
-    if n == 0:
-        return 1.0
-    tail = sum(comb(n, i) for i in range(min(gained, lost) + 1)) / 2**n
-    return min(1.0, 2 * tail)
 
 
 def split_seed(resource):
@@ -45,40 +36,76 @@ def split_seed(resource):
     return name, int(seed) if seed else 0
 
 
-def load(runs, family):
-    """Correctness by (adapter, seed) and item id, over the given runs."""
+def arm_name(family, resource):
+    """The run's name for the family's arm that reads `resource`."""
+    return f"{family}@bridge.resource={resource}"
+
+
+def wanted_pairs(run, family, rungs):
+    """The (arm, against, what, seed) pairings of a run, from its summary's
+    arms: each rung against each lower rung, each twin against its plain
+    adapter, at each seed the run holds."""
+    summary = pd.read_parquet(os.path.join(run, "summary.parquet"))
+    resources = {}
+    for j in summary.loc[summary["family"] == family, "arm_json"]:
+        name, seed = split_seed(json.loads(j)["bridge"]["resource"])
+        resources[(name, seed)] = json.loads(j)["bridge"]["resource"]
+    out = []
+    for seed in sorted({s for _, s in resources}):
+        have = lambda n: (n, seed) in resources
+        arm = lambda n: arm_name(family, resources[(n, seed)])
+        for i, lower in enumerate(rungs):
+            for upper in rungs[i + 1:]:
+                if have(lower) and have(upper):
+                    out.append((arm(upper), arm(lower), f"{upper} vs {lower}", seed))
+        for rung in rungs:
+            if have(rung) and have(rung + "_disjoint"):
+                out.append((arm(rung + "_disjoint"), arm(rung), f"{rung}_disjoint vs {rung}", seed))
+    return out
+
+
+def fmt_p(p):
+    return f"{p:.2g}"
+
+
+def read_pairs(run, wanted):
+    path = os.path.join(run, "pairs.parquet")
+    pairs = pd.read_parquet(path) if os.path.exists(path) else None
+    have = set() if pairs is None else set(zip(pairs["family"], pairs["against_family"]))
+    missing = [(a, b) for a, b, _, _ in wanted if (a, b) not in have]
+    if missing:
+        keep = [] if pairs is None else sorted(have)
+        args = " ".join(f"--pair {shlex.quote(a + ':' + b)}" for a, b in keep + missing)
+        sys.exit(f"{run}: pairs.parquet lacks {len(missing)} of the ladder's pairings; write them with\n"
+                 f"  cargo xtask report {run} {args}\n"
+                 f"(add `--seeds` as the run's earlier report had it)")
+    return pairs.set_index(["family", "against_family"])
+
+
+def tally(runs, family, rungs):
+    """Correctness by (adapter, seed) and item id over the runs' item rows."""
     frames = []
     for run in runs:
-        files = sorted(glob.glob(os.path.join(run, "items", "cell-*.parquet")))
-        if not files:
-            sys.exit(f"{run}: no items/cell-*.parquet")
-        for f in files:
+        for f in sorted(glob.glob(os.path.join(run, "items", "cell-*.parquet"))):
             d = pd.read_parquet(f, columns=["family", "arm_json", "item_id", "correct"])
             frames.append(d[d["family"] == family])
     rows = pd.concat(frames, ignore_index=True)
-    if rows.empty:
-        sys.exit(f"no rows of family {family!r} in {', '.join(runs)}")
     keys = [split_seed(json.loads(j)["bridge"]["resource"]) for j in rows["arm_json"]]
     rows["adapter"] = [k[0] for k in keys]
     rows["seed"] = [k[1] for k in keys]
-    dup = rows.duplicated(["adapter", "seed", "item_id"])
-    if dup.any():
-        sys.exit(f"{dup.sum()} item rows appear twice (the same adapter, seed and item)")
-    # 1.0 / 0.0 where an adapter has the item's row, NaN where it has not
-    # (a run in progress): pairings and counts use the items both have.
+    rows = rows[rows["adapter"].isin(rungs)]
     rows["correct"] = rows["correct"].astype(float)
-    return rows.pivot_table(index="item_id", columns=["adapter", "seed"],
-                            values="correct", aggfunc="first", dropna=False)
-
-
-def pair(table, first, second, seed):
-    a, b = table[(first, seed)], table[(second, seed)]
-    both = a.notna() & b.notna()
-    a, b = a[both].astype(bool), b[both].astype(bool)
-    gained, lost = int((b & ~a).sum()), int((a & ~b).sum())
-    diff = (b.mean() - a.mean())
-    return (f"seed {seed}: {second} vs {first} (n = {both.sum()}): {diff:+.3f}; "
-            f"{gained} gained / {lost} lost (p {mcnemar_p(gained, lost):.2g})")
+    table = rows.pivot_table(index="item_id", columns=["adapter", "seed"],
+                             values="correct", aggfunc="first", dropna=False)
+    # Items some adapter has no row for (a run in progress) are left out.
+    complete = table.dropna().astype(bool)
+    print(f"## items (of {len(complete)} with every plain adapter's row, "
+          f"{complete.shape[1]} adapters)")
+    print(f"answered by all: {int(complete.all(axis=1).sum())}; "
+          f"by none: {int((~complete).all(axis=1).sum())}")
+    for rung in rungs:
+        cols = [c for c in complete.columns if c[0] == rung]
+        print(f"{rung} at all {len(cols)} seeds: {int(complete[cols].all(axis=1).sum())}")
 
 
 def main():
@@ -87,30 +114,19 @@ def main():
     ap.add_argument("--family", default="bridged")
     ap.add_argument("--rungs", nargs="+", default=["lora_q", "lora_kv", "lora_qkv"])
     args = ap.parse_args()
-    table = load(args.runs, args.family)
-    seeds = sorted({s for _, s in table.columns})
-    have = set(table.columns)
-    print("## rungs")
-    for seed in seeds:
-        for i, lower in enumerate(args.rungs):
-            for upper in args.rungs[i + 1:]:
-                if (lower, seed) in have and (upper, seed) in have:
-                    print(pair(table, lower, upper, seed))
-    print("## answer-disjoint against plain")
-    for seed in seeds:
-        for rung in args.rungs:
-            twin = rung + "_disjoint"
-            if (rung, seed) in have and (twin, seed) in have:
-                print(pair(table, rung, twin, seed))
-    plain = [c for c in table.columns if c[0] in args.rungs]
-    complete = table[plain].dropna().astype(bool)
-    print(f"## items (of {len(complete)} with every plain adapter's row, "
-          f"{len(plain)} adapters)")
-    print(f"answered by all: {int(complete.all(axis=1).sum())}; "
-          f"by none: {int((~complete).all(axis=1).sum())}")
-    for rung in args.rungs:
-        cols = [c for c in plain if c[0] == rung]
-        print(f"{rung} at all {len(cols)} seeds: {int(complete[cols].all(axis=1).sum())}")
+    lines = []
+    for run in args.runs:
+        wanted = wanted_pairs(run, args.family, args.rungs)
+        pairs = read_pairs(run, wanted)
+        for a, b, what, seed in wanted:
+            r = pairs.loc[(a, b)]
+            lines.append((seed, what, f"seed {seed}: {what} (n = {int(r['n_items'])}): "
+                          f"{r['diff']:+.3f}; {int(r['gained'])} gained / {int(r['lost'])} lost "
+                          f"(p {fmt_p(r['mcnemar_p'])})"))
+    print("## rungs and answer-disjoint twins")
+    for _, _, line in sorted(lines, key=lambda x: (x[0], "disjoint" in x[1])):
+        print(line)
+    tally(args.runs, args.family, args.rungs)
 
 
 if __name__ == "__main__":
