@@ -70,7 +70,7 @@ record! {
         pub against_family: String,
         /// The compared arm, with its grid point.
         pub arm: String,
-        /// The arm it is compared against, with its grid point (its point agrees with the compared arm's on every axis both have).
+        /// The arm it is compared against, with its grid point (its point agrees with the compared arm's on every axis both have, unless the pair named both arms).
         pub against: String,
         /// The compared arm's grid point as JSON with typed values.
         pub point: String,
