@@ -390,7 +390,7 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("no arm of family `act_nothing`"), "{e}");
+    assert!(e.contains("no arm or family `act_nothing`"), "{e}");
     assert_eq!(read("pairs.parquet"), paired);
 
     // A rerun finds every cell finished and computes nothing.
