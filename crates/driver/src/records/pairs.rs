@@ -35,7 +35,8 @@ pub struct FamilyPair {
 impl std::str::FromStr for FamilyPair {
     type Err = DriverError;
 
-    /// `family:against`, e.g. `holder_add:pool_distractors`.
+    /// `family:against`, e.g. `holder_add:pool_distractors`; either side
+    /// may be one arm with its grid point.
     fn from_str(s: &str) -> Result<Self> {
         match s.split_once(':') {
             Some((a, b)) if !a.trim().is_empty() && !b.trim().is_empty() && !b.contains(':') => {
@@ -45,7 +46,7 @@ impl std::str::FromStr for FamilyPair {
                 })
             }
             _ => Err(DriverError::Records(format!(
-                "`{s}` is not a family pair: write `family:against` (two arm families of the run, e.g. `holder_add:pool_distractors`)"
+                "`{s}` is not a family pair: write `family:against` (two arm families of the run, e.g. `holder_add:pool_distractors`, or arms with their grid points, `holder@layers=8:holder@layers=4`)"
             ))),
         }
     }
