@@ -10,8 +10,8 @@
 //!   measurement run (`[measure]` configs: Mode D); `sweep --config F` on
 //!   such a config runs it too.
 //! - `report <run-dir> [--interim] [--pair family:against] [--seeds run-dir]`:
-//!   Markdown tables and plots of a run, with families compared point by
-//!   point and trained arms combined across seed runs.
+//!   Markdown tables and plots of a run, with families (or named arms)
+//!   compared point by point and trained arms combined across seed runs.
 //! - `compare <run-a> <run-b>`: item rows of two runs compared value for value.
 #![allow(clippy::cloned_ref_to_slice_refs)] // `&[ids.clone()]` reads better as a batch of one
 
@@ -99,7 +99,7 @@ enum Cmd {
         /// and `pairs.parquet`. A side may name one arm with its point
         /// (`bridged@bridge.resource=lora_kv:bridged@bridge.resource=lora_q`):
         /// two named arms are compared directly. Without it, the pairs of an
-        /// earlier report are compared again.
+        /// earlier report are compared again; with it, they are replaced.
         #[arg(long = "pair", value_name = "FAMILY:AGAINST")]
         pairs: Vec<String>,
         /// Another run of the same trained arms with bridges trained from

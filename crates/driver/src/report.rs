@@ -51,12 +51,13 @@ pub fn write_interim(run_dir: &Path) -> Result<PathBuf> {
 
 /// The report of a finished run (`interim` false, as [`write`]) or of one
 /// in progress (as [`write_interim`]), with each arm of a pair's first
-/// family compared with the second family's arm at the same grid point
-/// ([`crate::records::pairs`]): a section of the report and
+/// family compared with the second family's arm at the same grid point,
+/// or one named arm with another ([`crate::records::pairs`]): a section of the report and
 /// `pairs.parquet` (`pairs-interim.parquet` for an interim report). With no
 /// pairs named, the pairs already in that file (or, for a finished run's
 /// first report, in `pairs-interim.parquet`) are compared again, so a
-/// report regenerated later keeps them.
+/// report regenerated later keeps them; pairs named replace them (a
+/// warning lists those dropped).
 pub fn write_with_pairs(run_dir: &Path, interim: bool, pairs: &[FamilyPair]) -> Result<PathBuf> {
     write_with(run_dir, interim, pairs, &[])
 }
@@ -105,6 +106,20 @@ pub fn write_with(
     let pairs = if pairs.is_empty() {
         remembered_pairs(run_dir, interim)?
     } else {
+        // Named pairs replace the remembered ones: say which go.
+        let dropped: Vec<String> = remembered_pairs(run_dir, interim)
+            .unwrap_or_default()
+            .iter()
+            .filter(|p| !pairs.contains(p))
+            .map(|p| format!("`{p}`"))
+            .collect();
+        if !dropped.is_empty() {
+            tracing::warn!(
+                "{}: the pairs named replace those compared before; no longer compared: {} (name them again to keep them)",
+                run_dir.display(),
+                dropped.join(", ")
+            );
+        }
         pairs.to_vec()
     };
     let seed_runs = if seed_runs.is_empty() {

@@ -294,13 +294,15 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     // Families compared point by point: each act_replace arm against each
     // of its controls' arms at the same layer, and kv_augment (no grid)
     // against its two controls. Where the other arm is the summary's strongest
-    // control, the pair's statistics are the summary's lift.
+    // control, the pair's statistics are the summary's lift. Two points of
+    // one family, named as arms, are paired directly.
     let pairs: Vec<tolerable_driver::records::FamilyPair> = [
         "act_replace:act_noop",
         "act_replace:act_position",
         "act_replace:act_mismatch",
         "kv_augment:floor",
         "kv_augment:kv_augment_mismatch",
+        "act_replace@layers=2:act_replace@layers=1",
     ]
     .iter()
     .map(|p| p.parse().unwrap())
@@ -321,7 +323,15 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
         .unwrap()
     };
     let paired = read("pairs.parquet");
-    assert_eq!(paired.len(), 8);
+    assert_eq!(paired.len(), 9);
+    let across = paired
+        .iter()
+        .find(|r| r.family == "act_replace@layers=2")
+        .unwrap();
+    assert_eq!(
+        (across.arm.as_str(), across.against.as_str(), across.n_items),
+        ("act_replace@layers=2", "act_replace@layers=1", 5)
+    );
     assert!(paired
         .iter()
         .filter(|r| r.family == "act_replace")

@@ -1,4 +1,5 @@
-//! Paired comparisons of two arm families point by point (`pairs.parquet`).
+//! Paired comparisons of two arm families point by point, or of two named
+//! arms (`pairs.parquet`).
 //! The summary pairs each arm only with its strongest declared control; a
 //! researcher often wants one family against another at the same grid
 //! point as well (the single holder against the distractors-only pool at
@@ -11,7 +12,9 @@
 //! A side of a pair may also name one arm with its grid point (the arm's
 //! name, `bridged@bridge.resource=lora_kv`): two points of one family
 //! (a ladder's rungs, a bridge against its answer-disjoint twin) are then
-//! compared directly, their points unmatched.
+//! compared directly, their points unmatched. An arm's grid value may
+//! hold a colon (`h_suffix@layers=suffix:4`): the pair's text is split at
+//! the one colon that leaves a known arm or family on both sides.
 
 use super::ItemRow;
 use crate::error::{DriverError, Result};
@@ -36,10 +39,12 @@ impl std::str::FromStr for FamilyPair {
     type Err = DriverError;
 
     /// `family:against`, e.g. `holder_add:pool_distractors`; either side
-    /// may be one arm with its grid point.
+    /// may be one arm with its grid point. Split at the first colon; where
+    /// a side's name holds a colon too, [`pair_rows`] moves the split to
+    /// the one that names the run's arms or families.
     fn from_str(s: &str) -> Result<Self> {
         match s.split_once(':') {
-            Some((a, b)) if !a.trim().is_empty() && !b.trim().is_empty() && !b.contains(':') => {
+            Some((a, b)) if !a.trim().is_empty() && !b.trim().is_empty() => {
                 Ok(Self {
                     family: a.trim().to_string(),
                     against: b.trim().to_string(),
@@ -59,8 +64,8 @@ impl std::fmt::Display for FamilyPair {
 }
 
 record! {
-    /// One arm against an arm of another family at an agreeing grid point,
-    /// over the items both scored.
+    /// One arm against an arm of another family at an agreeing grid point
+    /// (or against the arm the pair named), over the items both scored.
     #[derive(Debug, Clone, PartialEq)]
     pub struct PairRow {
         /// Run name.
@@ -108,8 +113,10 @@ fn agree(a: &BTreeMap<String, serde_json::Value>, b: &BTreeMap<String, serde_jso
 /// of the second whose grid point agrees with its own (an arm without a
 /// grid agrees with every point). A side that names an arm of the run is
 /// that arm alone; a pair of two named arms is compared without matching
-/// their points. A family or arm the run does not have, or a pair with no
-/// agreeing points, is an error naming it.
+/// their points. A pair whose text holds more than one colon is split at
+/// the colon that leaves an arm or family of the run on both sides. A
+/// family or arm the run does not have, or a pair with no agreeing points,
+/// is an error naming it.
 pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>> {
     // Arms in first-seen order, with family, point and outcome by item.
     let mut order: Vec<&str> = Vec::new();
@@ -143,15 +150,28 @@ pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>
             families.push(f);
         }
     }
+    let known = |f: &str| names_arm(f) || families.contains(&f);
     let mut out = Vec::new();
     for pair in pairs {
+        let pair = &resolve(pair, known)?;
         let (mine, theirs) = (of_side(&pair.family), of_side(&pair.against));
         let both_arms = names_arm(&pair.family) && names_arm(&pair.against);
         for (f, found) in [(&pair.family, &mine), (&pair.against, &theirs)] {
             if found.is_empty() {
+                // A mistyped point of a family the run has: list its arms.
+                let family = f.split_once('@').map_or(f.as_str(), |(fam, _)| fam);
+                let of_family: Vec<&str> = order
+                    .iter()
+                    .copied()
+                    .filter(|a| arms[a].0.arm.family == family)
+                    .collect();
+                let listing = if of_family.is_empty() {
+                    format!("its families: {}", families.join(", "))
+                } else {
+                    format!("the arms of `{family}`: {}", of_family.join(", "))
+                };
                 return Err(DriverError::Records(format!(
-                    "pair `{pair}`: the run has no arm or family `{f}` (its families: {})",
-                    families.join(", ")
+                    "pair `{pair}`: the run has no arm or family `{f}` ({listing})"
                 )));
             }
         }
@@ -199,6 +219,11 @@ pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>
                 });
             }
         }
+        if out.len() == before && both_arms {
+            return Err(DriverError::Records(format!(
+                "pair `{pair}`: the two arms scored no item in common"
+            )));
+        }
         if out.len() == before {
             return Err(DriverError::Records(format!(
                 "pair `{pair}`: no arm of `{}` shares a grid point and scored items with an arm of `{}`",
@@ -207,6 +232,34 @@ pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>
         }
     }
     Ok(out)
+}
+
+/// `pair` split at the one colon of its text that leaves a name known to
+/// the run (`known`) on both sides. Several such colons are an error; none
+/// leaves the pair as parsed, for the caller to name the side it lacks.
+fn resolve(pair: &FamilyPair, known: impl Fn(&str) -> bool) -> Result<FamilyPair> {
+    let text = pair.to_string();
+    let splits: Vec<FamilyPair> = text
+        .match_indices(':')
+        .map(|(i, _)| FamilyPair {
+            family: text[..i].trim().to_string(),
+            against: text[i + 1..].trim().to_string(),
+        })
+        .filter(|p| known(&p.family) && known(&p.against))
+        .collect();
+    match splits.as_slice() {
+        [] => Ok(pair.clone()),
+        [one] => Ok(one.clone()),
+        several => Err(DriverError::Records(format!(
+            "pair `{text}` can be read {} ways ({}): name a family or arm whose name has no colon",
+            several.len(),
+            several
+                .iter()
+                .map(|p| format!("`{}` against `{}`", p.family, p.against))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
 }
 
 /// The family pairs a pairs file holds, in first-seen order (what a report
@@ -401,11 +454,78 @@ mod tests {
     }
 
     #[test]
+    fn a_pair_splits_at_the_colon_that_names_the_runs_arms() {
+        let mut items = Vec::new();
+        items.extend(arm("h_suffix", "{\"layers\":\"suffix:4\"}", &[0, 1, 2]));
+        items.extend(arm("h_suffix", "{\"layers\":\"suffix:8\"}", &[0]));
+        items.extend(arm("native", "{}", &[0, 1]));
+        let (a4, a8) = (
+            "h_suffix@layers=\"suffix:4\"",
+            "h_suffix@layers=\"suffix:8\"",
+        );
+        let pair: FamilyPair = format!("{a4}:{a8}").parse().unwrap();
+        let rows = pair_rows(&items, std::slice::from_ref(&pair)).unwrap();
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert_eq!((r.family.as_str(), r.against_family.as_str()), (a4, a8));
+        assert_eq!((r.arm.as_str(), r.against.as_str()), (a4, a8));
+        assert_eq!((r.n_items, r.gained, r.lost), (10, 2, 0));
+        // Resolved as written to pairs.parquet, so read back it pairs alike.
+        assert_eq!(pair_rows(&items, &pairs_of(&rows)).unwrap(), rows);
+        let rows = pair_rows(&items, &[format!("{a8}:native").parse().unwrap()]).unwrap();
+        assert_eq!((rows[0].arm.as_str(), rows[0].lost), (a8, 1));
+
+        // A mistyped point names its family's arms.
+        let e = pair_rows(&items, &["h_suffix@layers=2:native".parse().unwrap()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no arm or family `h_suffix@layers=2`"), "{e}");
+        assert!(
+            e.contains(&format!("the arms of `h_suffix`: {a4}, {a8}")),
+            "{e}"
+        );
+
+        // Text two splits make sense of is refused, both readings named.
+        let mut items = Vec::new();
+        for (family, name) in [("p", "p"), ("p", "p:q"), ("q", "q:r"), ("r", "r")] {
+            for mut r in arm(family, "{}", &[0]) {
+                r.arm.arm = name.into();
+                items.push(r);
+            }
+        }
+        let e = pair_rows(&items, &["p:q:r".parse().unwrap()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("can be read 2 ways"), "{e}");
+        assert!(e.contains("`p` against `q:r`, `p:q` against `r`"), "{e}");
+    }
+
+    #[test]
+    fn two_named_arms_without_common_items_are_named_as_such() {
+        let mut items = arm("holder", "{\"layers\":4}", &[0]);
+        items.extend(
+            arm("holder", "{\"layers\":8}", &[0])
+                .into_iter()
+                .map(|mut r| {
+                    r.item_id = format!("other-{}", r.item_id);
+                    r
+                }),
+        );
+        let e = pair_rows(
+            &items,
+            &["holder@layers=8:holder@layers=4".parse().unwrap()],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("the two arms scored no item in common"), "{e}");
+    }
+
+    #[test]
     fn a_pair_is_written_family_colon_family() {
         let p: FamilyPair = " a : b ".parse().unwrap();
         assert_eq!((p.family.as_str(), p.against.as_str()), ("a", "b"));
         assert_eq!(p.to_string(), "a:b");
-        for bad in ["ab", ":b", "a:", "a:b:c"] {
+        for bad in ["ab", ":b", "a:"] {
             let e = bad.parse::<FamilyPair>().unwrap_err().to_string();
             assert!(e.contains("family:against"), "{bad}: {e}");
         }
