@@ -45,7 +45,11 @@ def wanted_pairs(run, family, rungs):
     """The (arm, against, what, seed) pairings of a run, from its summary's
     arms: each rung against each lower rung, each twin against its plain
     adapter, at each seed the run holds."""
-    summary = pd.read_parquet(os.path.join(run, "summary.parquet"))
+    path = os.path.join(run, "summary.parquet")
+    if not os.path.exists(path):
+        sys.exit(f"{run} has no summary.parquet: the run has unfinished cells; its pairings "
+                 f"come from its report once every cell is written")
+    summary = pd.read_parquet(path)
     resources = {}
     for j in summary.loc[summary["family"] == family, "arm_json"]:
         name, seed = split_seed(json.loads(j)["bridge"]["resource"])
@@ -77,8 +81,7 @@ def read_pairs(run, wanted):
         keep = [] if pairs is None else sorted(have)
         args = " ".join(f"--pair {shlex.quote(a + ':' + b)}" for a, b in keep + missing)
         sys.exit(f"{run}: pairs.parquet lacks {len(missing)} of the ladder's pairings; write them with\n"
-                 f"  cargo xtask report {run} {args}\n"
-                 f"(add `--seeds` as the run's earlier report had it)")
+                 f"  cargo xtask report {run} {args}")
     return pairs.set_index(["family", "against_family"])
 
 
