@@ -12,7 +12,8 @@
 //! - `report <run-dir> [--interim] [--pair family:against] [--seeds run-dir]`:
 //!   Markdown tables and plots of a run, with families (or named arms)
 //!   compared point by point and trained arms combined across seed runs.
-//! - `compare <run-a> <run-b>`: item rows of two runs compared value for value.
+//! - `compare <run-a> <run-b> [--pair a_side:b_side]`: item rows of two runs
+//!   compared value for value, or arms of the two runs paired item by item.
 #![allow(clippy::cloned_ref_to_slice_refs)] // `&[ids.clone()]` reads better as a batch of one
 
 mod anchors;
@@ -115,15 +116,23 @@ enum Cmd {
     /// and the driver's arm figures.
     Bench(bench::BenchOptions),
     /// Compare the item rows of two run folders (a rerun against a committed
-    /// run): every (arm, item) row's outcome columns, value for value.
+    /// run): every (arm, item) row's outcome columns, value for value. With
+    /// `--pair`, pair arms of the two runs instead over the items both
+    /// scored (the same adapter on two caches): a Markdown table of
+    /// differences, items gained / lost and exact McNemar p.
     Compare {
         /// The first run folder.
         a: PathBuf,
         /// The second run folder.
         b: PathBuf,
-        /// Also write the comparison as JSON here.
+        /// Also write the comparison (or the paired rows) as JSON here.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Pair an arm or family of the first run with one of the second,
+        /// `a_side:b_side` as `report --pair` takes them (families meet at
+        /// agreeing grid points; two named arms directly), repeatable.
+        #[arg(long = "pair", value_name = "A_SIDE:B_SIDE")]
+        pairs: Vec<String>,
     },
 }
 
@@ -205,7 +214,45 @@ fn main() -> Result<()> {
             seeds,
         } => sweep::report(dir, interim, pairs, seeds)?,
         Cmd::Bench(opts) => bench::run(opts)?,
-        Cmd::Compare { a, b, out } => {
+        Cmd::Compare { a, b, out, pairs } if !pairs.is_empty() => {
+            let pairs = pairs
+                .iter()
+                .map(|p| p.parse())
+                .collect::<std::result::Result<Vec<tolerable_driver::records::FamilyPair>, _>>()?;
+            let rows = tolerable_driver::records::pairs::pair_rows_across(
+                &tolerable_driver::records::read_items(&a)?,
+                &tolerable_driver::records::read_items(&b)?,
+                &pairs,
+            )?;
+            println!(
+                "Arms of {} (arm) paired with arms of {} (against) over the items both scored:\n",
+                a.display(),
+                b.display()
+            );
+            print!("{}", tolerable_driver::report::pairs_table(&rows));
+            if let Some(p) = out {
+                let json: Vec<serde_json::Value> = rows
+                    .iter()
+                    .map(|r| {
+                        serde_json::json!({
+                            "arm": r.arm, "against": r.against, "n_items": r.n_items,
+                            "accuracy": r.accuracy, "against_accuracy": r.against_accuracy,
+                            "diff": r.diff, "diff_lo": r.diff_lo, "diff_hi": r.diff_hi,
+                            "gained": r.gained, "lost": r.lost,
+                            "paired_se": r.paired_se, "mcnemar_p": r.mcnemar_p,
+                        })
+                    })
+                    .collect();
+                let text = serde_json::to_string_pretty(&serde_json::json!({
+                    "a": a.display().to_string(),
+                    "b": b.display().to_string(),
+                    "pairs": json,
+                }))?;
+                std::fs::write(&p, format!("{text}\n"))
+                    .with_context(|| format!("writing {}", p.display()))?;
+            }
+        }
+        Cmd::Compare { a, b, out, .. } => {
             let c = tolerable_driver::records::compare::compare_runs(&a, &b)?;
             let text = serde_json::to_string_pretty(&serde_json::json!({
                 "a": a.display().to_string(),

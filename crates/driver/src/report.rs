@@ -469,6 +469,14 @@ fn paired_section(md: &mut String, rows: &[PairRow], interim: bool) {
         "\n## Paired comparisons\n\nEach arm of a named family against the other family's arm at the same grid point (a pair that names two arms compares those two), over the items both scored (`{}`): the difference with its 95% interval (SE of two independent proportions, as the lift above), items gained / lost, exact McNemar p.\n",
         derived_name("pairs", interim)
     );
+    md.push_str(&pairs_table(rows));
+}
+
+/// Paired rows as a Markdown table: each arm beside the arm it is compared
+/// against, their accuracies over the items both scored, the difference
+/// with its 95% interval, items gained / lost and the exact McNemar p.
+pub fn pairs_table(rows: &[PairRow]) -> String {
+    let mut md = String::new();
     let _ = writeln!(
         md,
         "| arm | against | n | accuracy | against | difference [95% CI] | gained / lost | McNemar p |"
@@ -495,6 +503,7 @@ fn paired_section(md: &mut String, rows: &[PairRow], interim: bool) {
             r.lost
         );
     }
+    md
 }
 
 /// The report's section of trained arms across seeds.

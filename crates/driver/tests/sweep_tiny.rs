@@ -402,6 +402,19 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     .to_string();
     assert!(e.contains("no arm or family `act_nothing`"), "{e}");
     assert_eq!(read("pairs.parquet"), paired);
+    // Arms of two runs (here the run and itself, read twice from disk)
+    // pair as within one: a family against its own arms changes nothing.
+    let items = tolerable_driver::records::read_items(&out).unwrap();
+    let across = tolerable_driver::records::pairs::pair_rows_across(
+        &items,
+        &items,
+        &["act_replace:act_replace".parse().unwrap()],
+    )
+    .unwrap();
+    assert_eq!(across.len(), 2, "act_replace at layers 1 and 2");
+    assert!(across
+        .iter()
+        .all(|r| r.arm == r.against && (r.n_items, r.gained, r.lost) == (5, 0, 0)));
 
     // A rerun finds every cell finished and computes nothing.
     let again = sweep::run(

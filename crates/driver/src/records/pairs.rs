@@ -153,7 +153,7 @@ pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>
     let known = |f: &str| names_arm(f) || families.contains(&f);
     let mut out = Vec::new();
     for pair in pairs {
-        let pair = &resolve(pair, known)?;
+        let pair = &resolve(pair, known, known)?;
         let (mine, theirs) = (of_side(&pair.family), of_side(&pair.against));
         let both_arms = names_arm(&pair.family) && names_arm(&pair.against);
         for (f, found) in [(&pair.family, &mine), (&pair.against, &theirs)] {
@@ -235,9 +235,14 @@ pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>
 }
 
 /// `pair` split at the one colon of its text that leaves a name known to
-/// the run (`known`) on both sides. Several such colons are an error; none
-/// leaves the pair as parsed, for the caller to name the side it lacks.
-fn resolve(pair: &FamilyPair, known: impl Fn(&str) -> bool) -> Result<FamilyPair> {
+/// the run on both sides (`known_left`, `known_right`). Several such colons
+/// are an error; none leaves the pair as parsed, for the caller to name the
+/// side it lacks.
+fn resolve(
+    pair: &FamilyPair,
+    known_left: impl Fn(&str) -> bool,
+    known_right: impl Fn(&str) -> bool,
+) -> Result<FamilyPair> {
     let text = pair.to_string();
     let splits: Vec<FamilyPair> = text
         .match_indices(':')
@@ -245,7 +250,7 @@ fn resolve(pair: &FamilyPair, known: impl Fn(&str) -> bool) -> Result<FamilyPair
             family: text[..i].trim().to_string(),
             against: text[i + 1..].trim().to_string(),
         })
-        .filter(|p| known(&p.family) && known(&p.against))
+        .filter(|p| known_left(&p.family) && known_right(&p.against))
         .collect();
     match splits.as_slice() {
         [] => Ok(pair.clone()),
@@ -260,6 +265,79 @@ fn resolve(pair: &FamilyPair, known: impl Fn(&str) -> bool) -> Result<FamilyPair
                 .join(", ")
         ))),
     }
+}
+
+/// Arms of two runs paired over the items both scored (the same adapter on
+/// two caches, a bridge against another run's): each pair's first side
+/// names an arm or family of run `a`'s item rows, its second one of run
+/// `b`'s, as in [`pair_rows`] (families meet at agreeing grid points, two
+/// named arms directly). A row's `arm` and `family` are run `a`'s, its
+/// `against` and `against_family` run `b`'s, its `run` run `a`'s name. A
+/// side a run lacks is an error naming the run and its families.
+pub fn pair_rows_across(
+    a: &[ItemRow],
+    b: &[ItemRow],
+    pairs: &[FamilyPair],
+) -> Result<Vec<PairRow>> {
+    // Run b's arms and families, marked apart from run a's.
+    const B: &str = "\u{1f}b\u{1f}";
+    let names = |rows: &[ItemRow]| -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for r in rows {
+            for n in [&r.arm.arm, &r.arm.family] {
+                if !out.contains(n) {
+                    out.push(n.clone());
+                }
+            }
+        }
+        out
+    };
+    let (na, nb) = (names(a), names(b));
+    let families = |rows: &[ItemRow]| -> String {
+        let mut f: Vec<&str> = Vec::new();
+        for r in rows {
+            if !f.contains(&r.arm.family.as_str()) {
+                f.push(&r.arm.family);
+            }
+        }
+        f.join(", ")
+    };
+    let mut marked = Vec::new();
+    for p in pairs {
+        let p = resolve(
+            p,
+            |f| na.iter().any(|n| n == f),
+            |f| nb.iter().any(|n| n == f),
+        )?;
+        for (which, side, known, rows) in [("a", &p.family, &na, a), ("b", &p.against, &nb, b)] {
+            if !known.contains(side) {
+                return Err(DriverError::Records(format!(
+                    "pair `{p}`: run {which} has no arm or family `{side}` (its families: {})",
+                    families(rows)
+                )));
+            }
+        }
+        marked.push(FamilyPair {
+            family: p.family,
+            against: format!("{B}{}", p.against),
+        });
+    }
+    let mut items: Vec<ItemRow> = a.to_vec();
+    items.extend(b.iter().cloned().map(|mut r| {
+        r.arm.arm = format!("{B}{}", r.arm.arm);
+        r.arm.family = format!("{B}{}", r.arm.family);
+        r
+    }));
+    let unmark = |s: &str| s.replace(B, "");
+    let mut rows = pair_rows(&items, &marked).map_err(|e| match e {
+        DriverError::Records(m) => DriverError::Records(unmark(&m)),
+        e => e,
+    })?;
+    for r in &mut rows {
+        r.against = unmark(&r.against);
+        r.against_family = unmark(&r.against_family);
+    }
+    Ok(rows)
 }
 
 /// The family pairs a pairs file holds, in first-seen order (what a report
@@ -518,6 +596,58 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("the two arms scored no item in common"), "{e}");
+    }
+
+    #[test]
+    fn arms_of_two_runs_pair_over_the_items_both_scored() {
+        // Run a: an adapter on the native cache at two points; run b: the
+        // same adapters on the augmented cache, and an arm run a lacks.
+        let mut a = arm(
+            "native_bridged",
+            "{\"bridge.resource\":\"q\"}",
+            &[0, 1, 2, 3],
+        );
+        a.extend(arm("native_bridged", "{\"bridge.resource\":\"kv\"}", &[0]));
+        let mut b = arm("bridged", "{\"bridge.resource\":\"q\"}", &[0, 1, 5]);
+        b.extend(arm("bridged", "{\"bridge.resource\":\"kv\"}", &[0, 1]));
+        b.extend(arm("native_bridged", "{\"bridge.resource\":\"q\"}", &[]));
+        // Families meet at agreeing points, across the runs.
+        let rows = pair_rows_across(&a, &b, &["native_bridged:bridged".parse().unwrap()]).unwrap();
+        assert_eq!(rows.len(), 2);
+        let q = &rows[0];
+        assert_eq!(
+            (
+                q.arm.as_str(),
+                q.against.as_str(),
+                q.against_family.as_str()
+            ),
+            (
+                "native_bridged@bridge.resource=\"q\"",
+                "bridged@bridge.resource=\"q\"",
+                "bridged"
+            )
+        );
+        // Right on 0..4 against 0, 1, 5: gained 2, 3; lost 5.
+        assert_eq!((q.n_items, q.gained, q.lost), (10, 2, 1));
+        assert!((q.mcnemar_p - tolerable_stats::mcnemar_exact(2, 1)).abs() < 1e-15);
+        assert_eq!((rows[1].gained, rows[1].lost), (0, 1));
+        // A name both runs have is run a's on the left, run b's on the right.
+        let rows = pair_rows_across(
+            &a,
+            &b,
+            &["native_bridged@bridge.resource=\"q\":native_bridged@bridge.resource=\"q\""]
+                .map(|p| p.parse().unwrap()),
+        )
+        .unwrap();
+        assert_eq!((rows[0].gained, rows[0].lost), (4, 0));
+        // A side a run lacks names that run.
+        let e = pair_rows_across(&a, &b, &["bridged:native_bridged".parse().unwrap()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("run a has no arm or family `bridged` (its families: native_bridged)"),
+            "{e}"
+        );
     }
 
     #[test]
