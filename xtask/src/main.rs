@@ -102,7 +102,7 @@ enum Cmd {
         /// two named arms are compared directly. Without it, the pairs of an
         /// earlier report are compared again; with it, they are replaced.
         #[arg(long = "pair", value_name = "FAMILY:AGAINST")]
-        pairs: Vec<String>,
+        pairs: Vec<tolerable_driver::records::FamilyPair>,
         /// Another run of the same trained arms with bridges trained from
         /// other seeds (same model and items), repeatable: each trained arm
         /// across every seed, in the report and `seeds.parquet`. A finished
@@ -132,7 +132,7 @@ enum Cmd {
         /// `a_side:b_side` as `report --pair` takes them (families meet at
         /// agreeing grid points; two named arms directly), repeatable.
         #[arg(long = "pair", value_name = "A_SIDE:B_SIDE")]
-        pairs: Vec<String>,
+        pairs: Vec<tolerable_driver::records::FamilyPair>,
     },
 }
 
@@ -215,10 +215,6 @@ fn main() -> Result<()> {
         } => sweep::report(dir, interim, pairs, seeds)?,
         Cmd::Bench(opts) => bench::run(opts)?,
         Cmd::Compare { a, b, out, pairs } if !pairs.is_empty() => {
-            let pairs = pairs
-                .iter()
-                .map(|p| p.parse())
-                .collect::<std::result::Result<Vec<tolerable_driver::records::FamilyPair>, _>>()?;
             let rows = tolerable_driver::records::pairs::pair_rows_across(
                 &tolerable_driver::records::read_items(&a)?,
                 &tolerable_driver::records::read_items(&b)?,
@@ -231,22 +227,10 @@ fn main() -> Result<()> {
             );
             print!("{}", tolerable_driver::report::pairs_table(&rows));
             if let Some(p) = out {
-                let json: Vec<serde_json::Value> = rows
-                    .iter()
-                    .map(|r| {
-                        serde_json::json!({
-                            "arm": r.arm, "against": r.against, "n_items": r.n_items,
-                            "accuracy": r.accuracy, "against_accuracy": r.against_accuracy,
-                            "diff": r.diff, "diff_lo": r.diff_lo, "diff_hi": r.diff_hi,
-                            "gained": r.gained, "lost": r.lost,
-                            "paired_se": r.paired_se, "mcnemar_p": r.mcnemar_p,
-                        })
-                    })
-                    .collect();
                 let text = serde_json::to_string_pretty(&serde_json::json!({
                     "a": a.display().to_string(),
                     "b": b.display().to_string(),
-                    "pairs": json,
+                    "pairs": rows,
                 }))?;
                 std::fs::write(&p, format!("{text}\n"))
                     .with_context(|| format!("writing {}", p.display()))?;

@@ -135,11 +135,12 @@ pub fn run(a: SweepArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn report(dir: PathBuf, interim: bool, pairs: Vec<String>, seeds: Vec<PathBuf>) -> Result<()> {
-    let pairs = pairs
-        .iter()
-        .map(|p| p.parse::<tolerable_driver::records::FamilyPair>())
-        .collect::<std::result::Result<Vec<_>, _>>()?;
+pub fn report(
+    dir: PathBuf,
+    interim: bool,
+    pairs: Vec<tolerable_driver::records::FamilyPair>,
+    seeds: Vec<PathBuf>,
+) -> Result<()> {
     let r = tolerable_driver::report::write_with(&dir, interim, &pairs, &seeds)?;
     println!("{}", std::fs::read_to_string(&r)?);
     eprintln!("wrote {}", r.display());

@@ -66,7 +66,7 @@ impl std::fmt::Display for FamilyPair {
 record! {
     /// One arm against an arm of another family at an agreeing grid point
     /// (or against the arm the pair named), over the items both scored.
-    #[derive(Debug, Clone, PartialEq)]
+    #[derive(Debug, Clone, PartialEq, serde::Serialize)]
     pub struct PairRow {
         /// Run name.
         pub run: String,
@@ -108,6 +108,74 @@ fn agree(a: &BTreeMap<String, serde_json::Value>, b: &BTreeMap<String, serde_jso
     a.iter().all(|(k, v)| b.get(k).is_none_or(|w| w == v))
 }
 
+/// One run's arms as a side of a pair: in the order its item rows first
+/// name them, each with its first row (family and grid point) and its
+/// outcome by item.
+struct Arms<'a> {
+    order: Vec<&'a str>,
+    by_name: HashMap<&'a str, (&'a ItemRow, HashMap<&'a str, bool>)>,
+    families: Vec<&'a str>,
+}
+
+impl<'a> Arms<'a> {
+    fn new(items: &'a [ItemRow]) -> Self {
+        let mut order: Vec<&str> = Vec::new();
+        let mut families: Vec<&str> = Vec::new();
+        let mut by_name: HashMap<&str, (&ItemRow, HashMap<&str, bool>)> = HashMap::new();
+        for r in items {
+            let e = by_name.entry(r.arm.arm.as_str()).or_insert_with(|| {
+                order.push(r.arm.arm.as_str());
+                if !families.contains(&r.arm.family.as_str()) {
+                    families.push(r.arm.family.as_str());
+                }
+                (r, HashMap::new())
+            });
+            e.1.insert(r.item_id.as_str(), r.correct);
+        }
+        Self {
+            order,
+            by_name,
+            families,
+        }
+    }
+
+    /// Whether `name` is one of these arms.
+    fn names_arm(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
+    }
+
+    /// Whether `name` is one of these arms or families.
+    fn knows(&self, name: &str) -> bool {
+        self.names_arm(name) || self.families.contains(&name)
+    }
+
+    /// A side's arms: the arm it names, else its family's.
+    fn side(&self, name: &str) -> Vec<&'a str> {
+        if let Some((a, _)) = self.by_name.get_key_value(name) {
+            return vec![*a];
+        }
+        self.order
+            .iter()
+            .copied()
+            .filter(|a| self.by_name[a].0.arm.family == name)
+            .collect()
+    }
+
+    /// The error for a side these arms lack (`who`: "the run", "run a"),
+    /// listing the arms of its family where the name is a mistyped point,
+    /// else the families.
+    fn lacks(&self, pair: &FamilyPair, who: &str, name: &str) -> DriverError {
+        let family = name.split_once('@').map_or(name, |(f, _)| f);
+        let listing = match self.side(family).as_slice() {
+            [] => format!("its families: {}", self.families.join(", ")),
+            arms => format!("the arms of `{family}`: {}", arms.join(", ")),
+        };
+        DriverError::Records(format!(
+            "pair `{pair}`: {who} has no arm or family `{name}` ({listing})"
+        ))
+    }
+}
+
 /// The rows of `pairs` over a run's item rows: for each pair, each arm of
 /// the first family (in the order the rows first name it) against each arm
 /// of the second whose grid point agrees with its own (an arm without a
@@ -118,70 +186,57 @@ fn agree(a: &BTreeMap<String, serde_json::Value>, b: &BTreeMap<String, serde_jso
 /// family or arm the run does not have, or a pair with no agreeing points,
 /// is an error naming it.
 pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>> {
-    // Arms in first-seen order, with family, point and outcome by item.
-    let mut order: Vec<&str> = Vec::new();
-    let mut arms: HashMap<&str, (&ItemRow, HashMap<&str, bool>)> = HashMap::new();
-    for r in items {
-        let e = arms.entry(r.arm.arm.as_str()).or_insert_with(|| {
-            order.push(r.arm.arm.as_str());
-            (r, HashMap::new())
-        });
-        e.1.insert(r.item_id.as_str(), r.correct);
-    }
+    let arms = Arms::new(items);
+    pair_sides(&arms, &arms, ["the run", "the run"], pairs)
+}
+
+/// Arms of two runs paired over the items both scored (the same adapter on
+/// two caches, a bridge against another run's): each pair's first side
+/// names an arm or family of run `a`'s item rows, its second one of run
+/// `b`'s, as in [`pair_rows`] (families meet at agreeing grid points, two
+/// named arms directly; an arm may be paired with its namesake in the other
+/// run). A row's `arm` and `family` are run `a`'s, its `against` and
+/// `against_family` run `b`'s, its `run` run `a`'s name. A side a run lacks
+/// is an error naming the run.
+pub fn pair_rows_across(
+    a: &[ItemRow],
+    b: &[ItemRow],
+    pairs: &[FamilyPair],
+) -> Result<Vec<PairRow>> {
+    pair_sides(&Arms::new(a), &Arms::new(b), ["run a", "run b"], pairs)
+}
+
+/// Each pair's first side read in `left`, its second in `right` (the same
+/// arms for pairs within one run, where an arm is not paired with itself);
+/// `who` names each side's run in errors.
+fn pair_sides(
+    left: &Arms,
+    right: &Arms,
+    who: [&str; 2],
+    pairs: &[FamilyPair],
+) -> Result<Vec<PairRow>> {
+    let one_run = std::ptr::eq(left, right);
     let point = |r: &ItemRow| -> BTreeMap<String, serde_json::Value> {
         serde_json::from_str(&r.arm.point).unwrap_or_default()
     };
-    // A side's arms: the arm it names, else its family's.
-    let of_side = |f: &str| -> Vec<&str> {
-        match order.iter().find(|a| **a == f) {
-            Some(a) => vec![*a],
-            None => order
-                .iter()
-                .copied()
-                .filter(|a| arms[a].0.arm.family == f)
-                .collect(),
-        }
-    };
-    let names_arm = |f: &str| arms.contains_key(f);
-    let mut families: Vec<&str> = Vec::new();
-    for a in &order {
-        let f = arms[a].0.arm.family.as_str();
-        if !families.contains(&f) {
-            families.push(f);
-        }
-    }
-    let known = |f: &str| names_arm(f) || families.contains(&f);
     let mut out = Vec::new();
     for pair in pairs {
-        let pair = &resolve(pair, known, known)?;
-        let (mine, theirs) = (of_side(&pair.family), of_side(&pair.against));
-        let both_arms = names_arm(&pair.family) && names_arm(&pair.against);
-        for (f, found) in [(&pair.family, &mine), (&pair.against, &theirs)] {
-            if found.is_empty() {
-                // A mistyped point of a family the run has: list its arms.
-                let family = f.split_once('@').map_or(f.as_str(), |(fam, _)| fam);
-                let of_family: Vec<&str> = order
-                    .iter()
-                    .copied()
-                    .filter(|a| arms[a].0.arm.family == family)
-                    .collect();
-                let listing = if of_family.is_empty() {
-                    format!("its families: {}", families.join(", "))
-                } else {
-                    format!("the arms of `{family}`: {}", of_family.join(", "))
-                };
-                return Err(DriverError::Records(format!(
-                    "pair `{pair}`: the run has no arm or family `{f}` ({listing})"
-                )));
-            }
+        let pair = &resolve(pair, |f| left.knows(f), |f| right.knows(f))?;
+        let (mine, theirs) = (left.side(&pair.family), right.side(&pair.against));
+        if mine.is_empty() {
+            return Err(left.lacks(pair, who[0], &pair.family));
         }
+        if theirs.is_empty() {
+            return Err(right.lacks(pair, who[1], &pair.against));
+        }
+        let both_arms = left.names_arm(&pair.family) && right.names_arm(&pair.against);
         let before = out.len();
         for a in &mine {
-            let (ra, oa) = &arms[a];
+            let (ra, oa) = &left.by_name[a];
             let pa = point(ra);
             for b in &theirs {
-                let (rb, ob) = &arms[b];
-                if a == b || (!both_arms && !agree(&point(rb), &pa)) {
+                let (rb, ob) = &right.by_name[b];
+                if (one_run && a == b) || (!both_arms && !agree(&point(rb), &pa)) {
                     continue;
                 }
                 let (xa, xb): (Vec<bool>, Vec<bool>) = oa
@@ -265,79 +320,6 @@ fn resolve(
                 .join(", ")
         ))),
     }
-}
-
-/// Arms of two runs paired over the items both scored (the same adapter on
-/// two caches, a bridge against another run's): each pair's first side
-/// names an arm or family of run `a`'s item rows, its second one of run
-/// `b`'s, as in [`pair_rows`] (families meet at agreeing grid points, two
-/// named arms directly). A row's `arm` and `family` are run `a`'s, its
-/// `against` and `against_family` run `b`'s, its `run` run `a`'s name. A
-/// side a run lacks is an error naming the run and its families.
-pub fn pair_rows_across(
-    a: &[ItemRow],
-    b: &[ItemRow],
-    pairs: &[FamilyPair],
-) -> Result<Vec<PairRow>> {
-    // Run b's arms and families, marked apart from run a's.
-    const B: &str = "\u{1f}b\u{1f}";
-    let names = |rows: &[ItemRow]| -> Vec<String> {
-        let mut out: Vec<String> = Vec::new();
-        for r in rows {
-            for n in [&r.arm.arm, &r.arm.family] {
-                if !out.contains(n) {
-                    out.push(n.clone());
-                }
-            }
-        }
-        out
-    };
-    let (na, nb) = (names(a), names(b));
-    let families = |rows: &[ItemRow]| -> String {
-        let mut f: Vec<&str> = Vec::new();
-        for r in rows {
-            if !f.contains(&r.arm.family.as_str()) {
-                f.push(&r.arm.family);
-            }
-        }
-        f.join(", ")
-    };
-    let mut marked = Vec::new();
-    for p in pairs {
-        let p = resolve(
-            p,
-            |f| na.iter().any(|n| n == f),
-            |f| nb.iter().any(|n| n == f),
-        )?;
-        for (which, side, known, rows) in [("a", &p.family, &na, a), ("b", &p.against, &nb, b)] {
-            if !known.contains(side) {
-                return Err(DriverError::Records(format!(
-                    "pair `{p}`: run {which} has no arm or family `{side}` (its families: {})",
-                    families(rows)
-                )));
-            }
-        }
-        marked.push(FamilyPair {
-            family: p.family,
-            against: format!("{B}{}", p.against),
-        });
-    }
-    let mut items: Vec<ItemRow> = a.to_vec();
-    items.extend(b.iter().cloned().map(|mut r| {
-        r.arm.arm = format!("{B}{}", r.arm.arm);
-        r.arm.family = format!("{B}{}", r.arm.family);
-        r
-    }));
-    let unmark = |s: &str| s.replace(B, "");
-    let mut rows = pair_rows(&items, &marked).map_err(|e| match e {
-        DriverError::Records(m) => DriverError::Records(unmark(&m)),
-        e => e,
-    })?;
-    for r in &mut rows {
-        r.against = unmark(&r.against);
-        r.against_family = unmark(&r.against_family);
-    }
-    Ok(rows)
 }
 
 /// The family pairs a pairs file holds, in first-seen order (what a report
