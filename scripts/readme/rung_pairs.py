@@ -29,16 +29,15 @@ import sys
 
 import pandas as pd
 
-
-def split_seed(resource):
-    """`lora_q@seed=1` -> (`lora_q`, 1); `lora_q` -> (`lora_q`, 0)."""
-    name, _, seed = resource.partition("@seed=")
-    return name, int(seed) if seed else 0
+from trained_table import base_of
 
 
-def arm_name(family, resource):
-    """The run's name for the family's arm that reads `resource`."""
-    return f"{family}@bridge.resource={resource}"
+def adapter_seed(arm_json):
+    """An arm's bridge as (adapter, seed): `lora_q@seed=1` -> (`lora_q`, 1),
+    `lora_q` -> (`lora_q`, 0)."""
+    resource = json.loads(arm_json)["bridge"]["resource"]
+    seed = resource.partition("@seed=")[2]
+    return base_of(resource), int(seed) if seed else 0
 
 
 def wanted_pairs(run, family, rungs):
@@ -50,14 +49,13 @@ def wanted_pairs(run, family, rungs):
         sys.exit(f"{run} has no summary.parquet: the run has unfinished cells; its pairings "
                  f"come from its report once every cell is written")
     summary = pd.read_parquet(path)
-    resources = {}
-    for j in summary.loc[summary["family"] == family, "arm_json"]:
-        name, seed = split_seed(json.loads(j)["bridge"]["resource"])
-        resources[(name, seed)] = json.loads(j)["bridge"]["resource"]
+    # The run's own arm names, by (adapter, seed).
+    arms = {adapter_seed(j): a for a, j in
+            summary.loc[summary["family"] == family, ["arm", "arm_json"]].itertuples(index=False)}
     out = []
-    for seed in sorted({s for _, s in resources}):
-        have = lambda n: (n, seed) in resources
-        arm = lambda n: arm_name(family, resources[(n, seed)])
+    for seed in sorted({s for _, s in arms}):
+        have = lambda n: (n, seed) in arms
+        arm = lambda n: arms[(n, seed)]
         for i, lower in enumerate(rungs):
             for upper in rungs[i + 1:]:
                 if have(lower) and have(upper):
@@ -93,14 +91,14 @@ def tally(runs, family, rungs):
             d = pd.read_parquet(f, columns=["family", "arm_json", "item_id", "correct"])
             frames.append(d[d["family"] == family])
     rows = pd.concat(frames, ignore_index=True)
-    keys = [split_seed(json.loads(j)["bridge"]["resource"]) for j in rows["arm_json"]]
+    keys = [adapter_seed(j) for j in rows["arm_json"]]
     rows["adapter"] = [k[0] for k in keys]
     rows["seed"] = [k[1] for k in keys]
     rows = rows[rows["adapter"].isin(rungs)]
     rows["correct"] = rows["correct"].astype(float)
     table = rows.pivot_table(index="item_id", columns=["adapter", "seed"],
                              values="correct", aggfunc="first", dropna=False)
-    # Items some adapter has no row for (a run in progress) are left out.
+    # Items some adapter has no row for are left out (none in a finished run).
     complete = table.dropna().astype(bool)
     print(f"## items (of {len(complete)} with every plain adapter's row, "
           f"{complete.shape[1]} adapters)")
