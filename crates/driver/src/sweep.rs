@@ -473,7 +473,7 @@ pub fn obtain_resources(
                         kind.describe()
                     );
                     // A progress file left by a build killed after saving.
-                    let _ = std::fs::remove_file(store.progress_file(kind.kind(), hash));
+                    remove_leftover(&store.progress_file(kind.kind(), hash));
                     (
                         v,
                         Obtained::Cached,
@@ -533,12 +533,7 @@ pub fn obtain_resources(
                         },
                     )?;
                     // Saved: the training progress is no longer needed.
-                    let progress = store.progress_file(kind.kind(), hash);
-                    if progress.exists() {
-                        if let Err(e) = std::fs::remove_file(&progress) {
-                            tracing::warn!("removing {}: {e}", progress.display());
-                        }
-                    }
+                    remove_leftover(&store.progress_file(kind.kind(), hash));
                     let how = resumed
                         .map(|r| format!(" this invocation, resumed after {r}"))
                         .unwrap_or_default();
@@ -572,14 +567,11 @@ pub fn obtain_resources(
                     );
                 }
                 // Its copy on disk too: the group's resources are obtained.
-                if let Some(kept) = shared_dirs[i].as_ref().filter(|d| d.exists()) {
-                    match std::fs::remove_dir_all(kept) {
-                        Ok(()) => tracing::info!(
-                            "after resource `{name}`: its group's kept examples removed ({})",
-                            kept.display()
-                        ),
-                        Err(e) => tracing::warn!("removing {}: {e}", kept.display()),
-                    }
+                if let Some(kept) = shared_dirs[i].as_ref().filter(|d| remove_leftover(d)) {
+                    tracing::info!(
+                        "after resource `{name}`: its group's kept examples removed ({})",
+                        kept.display()
+                    );
                 }
             }
         }
@@ -589,6 +581,27 @@ pub fn obtain_resources(
         }
     }
     Ok((values, info))
+}
+
+/// Removes a file or folder the sweep no longer needs (a saved build's
+/// progress, a finished group's kept training examples): true when it was
+/// there and is gone. A failure is a warning, not an error: what it served
+/// is saved.
+fn remove_leftover(path: &Path) -> bool {
+    let removed = if path.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else if path.exists() {
+        std::fs::remove_file(path)
+    } else {
+        return false;
+    };
+    match removed {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!("removing {}: {e}", path.display());
+            false
+        }
+    }
 }
 
 /// What `run.json` records of obtained resources: per resource its spec,
@@ -957,6 +970,15 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     let (mcfg, _, _) = header(&cfg.run.model)?;
     let plan = compile(&cfg, &mcfg, &cfg.run.model, &model_config_of)?;
     check_writable(&dir, bytes_needed(cfg.data.n, cfg.arms.len()))?;
+    // A bridge's progress interval comes from the environment: refused
+    // here, not after the gates and an hour of training examples.
+    if cfg
+        .resources
+        .values()
+        .any(|r| matches!(r, crate::resources::ResourceSpec::Bridge(_)))
+    {
+        crate::resources::bridge::progress_setting()?;
+    }
     let t_load = Instant::now();
     let mut ck = tolerable_fetch::load(&cfg.run.model, precision, &candle_core::Device::Cpu)?;
     ck.model = ck.model.with_row_kernel(cfg.run.row_kernel);

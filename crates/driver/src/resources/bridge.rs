@@ -1093,6 +1093,13 @@ fn progress_every(value: Option<&str>) -> Result<Duration> {
     }
 }
 
+/// How often a training saves its progress inside an epoch, as this
+/// process's environment sets it ([`PROGRESS_SECS_ENV`]); an invalid value
+/// is refused by name. A sweep with bridges asks before its model loads.
+pub(crate) fn progress_setting() -> Result<Duration> {
+    progress_every(std::env::var(PROGRESS_SECS_ENV).ok().as_deref())
+}
+
 /// Shuffles the training order for `epoch` (each epoch shuffles the order
 /// the previous one left).
 fn shuffle_epoch(seed: u64, epoch: usize, order: &mut [usize]) {
@@ -1266,7 +1273,7 @@ impl ResourceKind for BridgeSpec {
                 "{field}: bridges train on the f32 path (quantized projections pass no gradient); run with precision = \"f32\""
             )));
         }
-        let save_every = progress_every(std::env::var(PROGRESS_SECS_ENV).ok().as_deref())?;
+        let save_every = progress_setting()?;
         let cfg = model.config().clone();
         let plan = self.compile(&field, &cfg)?;
         let n = self.train_items + self.slice_items;
