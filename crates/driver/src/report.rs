@@ -107,10 +107,8 @@ pub fn write_with(
         remembered_pairs(run_dir, interim)?
     } else {
         // Named pairs replace the remembered ones: say which go.
-        let dropped: Vec<String> = remembered_pairs(run_dir, interim)
-            .unwrap_or_default()
+        let dropped: Vec<String> = dropped_pairs(run_dir, interim, pairs)
             .iter()
-            .filter(|p| !pairs.contains(p))
             .map(|p| format!("`{p}`"))
             .collect();
         if !dropped.is_empty() {
@@ -198,6 +196,17 @@ fn remembered_pairs(run_dir: &Path, interim: bool) -> Result<Vec<FamilyPair>> {
         }
     }
     Ok(Vec::new())
+}
+
+/// The pairs an earlier report of the run compared (interim or finished, as
+/// `interim`) that a report naming `named` no longer compares: named pairs
+/// replace the remembered ones. None when no earlier pairs can be read.
+pub fn dropped_pairs(run_dir: &Path, interim: bool, named: &[FamilyPair]) -> Vec<FamilyPair> {
+    remembered_pairs(run_dir, interim)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|p| !named.contains(p))
+        .collect()
 }
 
 /// The seeds file of a report.
@@ -466,7 +475,7 @@ fn render(
 fn paired_section(md: &mut String, rows: &[PairRow], interim: bool) {
     let _ = writeln!(
         md,
-        "\n## Paired comparisons\n\nEach arm of a named family against the other family's arm at the same grid point (a pair that names two arms compares those two), over the items both scored (`{}`): the difference with its 95% interval (SE of two independent proportions, as the lift above), items gained / lost, exact McNemar p.\n",
+        "\n## Paired comparisons\n\nEach arm of a named family against the other family's arm at the same grid point (a pair that names two arms compares those two), over the items both scored (`{}`): the difference with its 95% interval (SE of two independent proportions, as the lift above), items gained / lost, exact McNemar p, and the items on which both decoded the same continuation.\n",
         derived_name("pairs", interim)
     );
     md.push_str(&pairs_table(rows));
@@ -479,9 +488,9 @@ pub fn pairs_table(rows: &[PairRow]) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "| arm | against | n | accuracy | against | difference [95% CI] | gained / lost | McNemar p |"
+        "| arm | against | n | accuracy | against | difference [95% CI] | gained / lost | McNemar p | same continuation |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let p = if r.mcnemar_p >= 1e-3 {
             format!("{:.3}", r.mcnemar_p)
@@ -490,7 +499,7 @@ pub fn pairs_table(rows: &[PairRow]) -> String {
         };
         let _ = writeln!(
             md,
-            "| `{}` | `{}` | {} | {:.3} | {:.3} | {:+.3} [{:+.3}, {:+.3}] | {} / {} | {p} |",
+            "| `{}` | `{}` | {} | {:.3} | {:.3} | {:+.3} [{:+.3}, {:+.3}] | {} / {} | {p} | {} |",
             r.arm,
             r.against,
             r.n_items,
@@ -500,7 +509,9 @@ pub fn pairs_table(rows: &[PairRow]) -> String {
             r.diff_lo,
             r.diff_hi,
             r.gained,
-            r.lost
+            r.lost,
+            r.same_continuation
+                .map_or_else(|| "–".to_string(), |s| format!("{s} / {}", r.n_items))
         );
     }
     md

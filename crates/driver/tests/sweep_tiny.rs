@@ -380,6 +380,13 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     let md = std::fs::read_to_string(tolerable_driver::report::write(&out).unwrap()).unwrap();
     assert_eq!(md, with_pairs);
     assert_eq!(read("pairs.parquet"), paired);
+    // Naming pairs replaces the remembered ones: the report names those it
+    // would drop (those not named again), none when all are named again.
+    let kept: tolerable_driver::records::FamilyPair = "kv_augment:floor".parse().unwrap();
+    let dropped = tolerable_driver::report::dropped_pairs(&out, false, &[kept.clone()]);
+    assert_eq!(dropped.len(), pairs.len() - 1);
+    assert!(dropped.iter().all(|p| pairs.contains(p) && *p != kept));
+    assert!(tolerable_driver::report::dropped_pairs(&out, false, &pairs).is_empty());
     // An unreadable pairs file is named, and the report left as it was.
     let good = std::fs::read(out.join("pairs.parquet")).unwrap();
     std::fs::write(out.join("pairs.parquet"), b"").unwrap();
@@ -412,9 +419,8 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     )
     .unwrap();
     assert_eq!(across.len(), 2, "act_replace at layers 1 and 2");
-    assert!(across
-        .iter()
-        .all(|r| r.arm == r.against && (r.n_items, r.gained, r.lost) == (5, 0, 0)));
+    assert!(across.iter().all(|r| r.arm == r.against
+        && (r.n_items, r.gained, r.lost, r.same_continuation) == (5, 0, 0, Some(5))));
 
     // A rerun finds every cell finished and computes nothing.
     let again = sweep::run(

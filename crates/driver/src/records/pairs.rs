@@ -100,6 +100,8 @@ record! {
         pub paired_se: f64,
         /// Exact two-sided McNemar p-value of gained against lost.
         pub mcnemar_p: f64,
+        /// Items on which both arms decoded the same continuation text (null in a pairs file written before this column, 2026-12-07).
+        pub same_continuation: Option<i64>,
     }
 }
 
@@ -108,12 +110,34 @@ fn agree(a: &BTreeMap<String, serde_json::Value>, b: &BTreeMap<String, serde_jso
     a.iter().all(|(k, v)| b.get(k).is_none_or(|w| w == v))
 }
 
+/// The axes each of two points has and the other lacks, when both have
+/// some: matched on their shared axes only, the two families would cross
+/// those (each arm meeting every value of the other's), which a pair of
+/// differently named axes for one quantity does silently
+/// (`blend.target_cosine` against `perturb.target_cosine`). One point
+/// having axes the other lacks is a family meeting every point of a
+/// coarser one, and no crossing.
+fn crossing(
+    a: &BTreeMap<String, serde_json::Value>,
+    b: &BTreeMap<String, serde_json::Value>,
+) -> Option<(Vec<String>, Vec<String>)> {
+    let only = |x: &BTreeMap<String, serde_json::Value>,
+                y: &BTreeMap<String, serde_json::Value>| {
+        x.keys()
+            .filter(|k| !y.contains_key(*k))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let (oa, ob) = (only(a, b), only(b, a));
+    (!oa.is_empty() && !ob.is_empty()).then_some((oa, ob))
+}
+
 /// One run's arms as a side of a pair: in the order its item rows first
 /// name them, each with its first row (family and grid point) and its
-/// outcome by item.
+/// outcome and continuation by item.
 struct Arms<'a> {
     order: Vec<&'a str>,
-    by_name: HashMap<&'a str, (&'a ItemRow, HashMap<&'a str, bool>)>,
+    by_name: HashMap<&'a str, (&'a ItemRow, HashMap<&'a str, (bool, &'a str)>)>,
     families: Vec<&'a str>,
 }
 
@@ -121,7 +145,7 @@ impl<'a> Arms<'a> {
     fn new(items: &'a [ItemRow]) -> Self {
         let mut order: Vec<&str> = Vec::new();
         let mut families: Vec<&str> = Vec::new();
-        let mut by_name: HashMap<&str, (&ItemRow, HashMap<&str, bool>)> = HashMap::new();
+        let mut by_name: HashMap<&str, (&ItemRow, HashMap<&str, (bool, &str)>)> = HashMap::new();
         for r in items {
             let e = by_name.entry(r.arm.arm.as_str()).or_insert_with(|| {
                 order.push(r.arm.arm.as_str());
@@ -130,7 +154,7 @@ impl<'a> Arms<'a> {
                 }
                 (r, HashMap::new())
             });
-            e.1.insert(r.item_id.as_str(), r.correct);
+            e.1.insert(r.item_id.as_str(), (r.correct, r.continuation.as_str()));
         }
         Self {
             order,
@@ -232,17 +256,27 @@ fn pair_sides(
         let both_arms = left.names_arm(&pair.family) && right.names_arm(&pair.against);
         let before = out.len();
         for a in &mine {
-            let (ra, oa) = &left.by_name[a];
+            let (ra, by_item_a) = &left.by_name[a];
             let pa = point(ra);
             for b in &theirs {
-                let (rb, ob) = &right.by_name[b];
-                if (one_run && a == b) || (!both_arms && !agree(&point(rb), &pa)) {
+                let (rb, by_item_b) = &right.by_name[b];
+                let pb = point(rb);
+                if (one_run && a == b) || (!both_arms && !agree(&pb, &pa)) {
                     continue;
                 }
-                let (xa, xb): (Vec<bool>, Vec<bool>) = oa
+                if let Some((oa, ob)) = (!both_arms).then(|| crossing(&pa, &pb)).flatten() {
+                    return Err(DriverError::Records(format!(
+                        "pair `{pair}`: `{a}` has axes `{b}` lacks ({}) and `{b}` axes `{a}` lacks ({}); matched on their shared axes only, each arm would meet every point of the other on these. Name the arms to pair (`{a}:{b}`), or families whose axes match",
+                        oa.join(", "),
+                        ob.join(", "),
+                    )));
+                }
+                let both: Vec<(&(bool, &str), &(bool, &str))> = by_item_a
                     .iter()
-                    .filter_map(|(id, &x)| ob.get(id).map(|&y| (x, y)))
-                    .unzip();
+                    .filter_map(|(id, x)| by_item_b.get(id).map(|y| (x, y)))
+                    .collect();
+                let (xa, xb): (Vec<bool>, Vec<bool>) = both.iter().map(|(x, y)| (x.0, y.0)).unzip();
+                let same = both.iter().filter(|(x, y)| x.1 == y.1).count();
                 if xa.is_empty() {
                     continue;
                 }
@@ -271,6 +305,7 @@ fn pair_sides(
                     lost: pd.lost as i64,
                     paired_se: pd.se,
                     mcnemar_p: pd.mcnemar_p,
+                    same_continuation: Some(same as i64),
                 });
             }
         }
@@ -377,7 +412,12 @@ mod tests {
             prompt_tokens: 10,
             fact_tokens: 1,
             n_sites: 0,
-            continuation: String::new(),
+            // Right items answer alike; wrong ones with the arm's own text.
+            continuation: if correct {
+                "Denver".into()
+            } else {
+                family.into()
+            },
             continuation_ids: vec![],
             correct,
             span_copy: false,
@@ -426,6 +466,8 @@ mod tests {
         assert_eq!(r.arm, "holder@alpha=1,layers=4");
         // Holder right on 0..6, pool on 5..8: gained 0..5 (5), lost 6, 7 (2).
         assert_eq!((r.n_items, r.gained, r.lost), (10, 5, 2));
+        // Both right on item 5: the same continuation there only.
+        assert_eq!(r.same_continuation, Some(1));
         assert!((r.diff - 0.3).abs() < 1e-12);
         assert!((r.accuracy - 0.6).abs() < 1e-12 && (r.against_accuracy - 0.3).abs() < 1e-12);
         let d = difference(
@@ -467,6 +509,34 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("no arm of `narrow` shares a grid point"), "{e}");
+
+        // Families whose axes differ on both sides would cross them (the
+        // same quantity under two names): refused, naming the axes.
+        let mut crossed = Vec::new();
+        for t in [0.9, 0.99] {
+            crossed.extend(arm(
+                "genuine",
+                &format!("{{\"blend.target_cosine\":{t},\"carrier\":\"k\"}}"),
+                &[0],
+            ));
+            crossed.extend(arm(
+                "noise",
+                &format!("{{\"carrier\":\"k\",\"perturb.target_cosine\":{t}}}"),
+                &[1],
+            ));
+        }
+        let e = pair_rows(&crossed, &["genuine:noise".parse().unwrap()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("lacks (blend.target_cosine)")
+                && e.contains("lacks (perturb.target_cosine)"),
+            "{e}"
+        );
+        // Named, two such arms pair directly.
+        let both = "genuine@blend.target_cosine=0.9,carrier=\"k\":noise@carrier=\"k\",perturb.target_cosine=0.9";
+        let rows = pair_rows(&crossed, &[both.parse().unwrap()]).unwrap();
+        assert_eq!((rows.len(), rows[0].gained, rows[0].lost), (1, 1, 1));
     }
 
     #[test]
