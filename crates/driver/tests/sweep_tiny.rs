@@ -383,7 +383,7 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     // Naming pairs replaces the remembered ones: the report names those it
     // would drop (those not named again), none when all are named again.
     let kept: tolerable_driver::records::FamilyPair = "kv_augment:floor".parse().unwrap();
-    let dropped = tolerable_driver::report::dropped_pairs(&out, false, &[kept.clone()]);
+    let dropped = tolerable_driver::report::dropped_pairs(&out, false, std::slice::from_ref(&kept));
     assert_eq!(dropped.len(), pairs.len() - 1);
     assert!(dropped.iter().all(|p| pairs.contains(p) && *p != kept));
     assert!(tolerable_driver::report::dropped_pairs(&out, false, &pairs).is_empty());

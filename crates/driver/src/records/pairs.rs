@@ -132,12 +132,15 @@ fn crossing(
     (!oa.is_empty() && !ob.is_empty()).then_some((oa, ob))
 }
 
+/// An arm's outcome and continuation text by item id.
+type ByItem<'a> = HashMap<&'a str, (bool, &'a str)>;
+
 /// One run's arms as a side of a pair: in the order its item rows first
 /// name them, each with its first row (family and grid point) and its
 /// outcome and continuation by item.
 struct Arms<'a> {
     order: Vec<&'a str>,
-    by_name: HashMap<&'a str, (&'a ItemRow, HashMap<&'a str, (bool, &'a str)>)>,
+    by_name: HashMap<&'a str, (&'a ItemRow, ByItem<'a>)>,
     families: Vec<&'a str>,
 }
 
@@ -145,7 +148,7 @@ impl<'a> Arms<'a> {
     fn new(items: &'a [ItemRow]) -> Self {
         let mut order: Vec<&str> = Vec::new();
         let mut families: Vec<&str> = Vec::new();
-        let mut by_name: HashMap<&str, (&ItemRow, HashMap<&str, (bool, &str)>)> = HashMap::new();
+        let mut by_name: HashMap<&str, (&ItemRow, ByItem)> = HashMap::new();
         for r in items {
             let e = by_name.entry(r.arm.arm.as_str()).or_insert_with(|| {
                 order.push(r.arm.arm.as_str());
@@ -271,7 +274,8 @@ fn pair_sides(
                         ob.join(", "),
                     )));
                 }
-                let both: Vec<(&(bool, &str), &(bool, &str))> = by_item_a
+                type Outcome<'b> = &'b (bool, &'b str);
+                let both: Vec<(Outcome, Outcome)> = by_item_a
                     .iter()
                     .filter_map(|(id, x)| by_item_b.get(id).map(|y| (x, y)))
                     .collect();
