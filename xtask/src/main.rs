@@ -102,7 +102,7 @@ enum Cmd {
         /// two named arms are compared directly. Without it, the pairs of an
         /// earlier report are compared again; with it, they are replaced.
         #[arg(long = "pair", value_name = "FAMILY:AGAINST")]
-        pairs: Vec<tolerable_driver::records::FamilyPair>,
+        pairs: Vec<tolerable_driver::records::ArmPair>,
         /// Another run of the same trained arms with bridges trained from
         /// other seeds (same model and items), repeatable: each trained arm
         /// across every seed, in the report and `seeds.parquet`. A finished
@@ -132,7 +132,7 @@ enum Cmd {
         /// `a_side:b_side` as `report --pair` takes them (families meet at
         /// agreeing grid points; two named arms directly), repeatable.
         #[arg(long = "pair", value_name = "A_SIDE:B_SIDE")]
-        pairs: Vec<tolerable_driver::records::FamilyPair>,
+        pairs: Vec<tolerable_driver::records::ArmPair>,
     },
 }
 

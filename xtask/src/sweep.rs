@@ -138,7 +138,7 @@ pub fn run(a: SweepArgs) -> Result<()> {
 pub fn report(
     dir: PathBuf,
     interim: bool,
-    pairs: Vec<tolerable_driver::records::FamilyPair>,
+    pairs: Vec<tolerable_driver::records::ArmPair>,
     seeds: Vec<PathBuf>,
 ) -> Result<()> {
     let r = tolerable_driver::report::write_with(&dir, interim, &pairs, &seeds)?;

@@ -6,7 +6,7 @@
 
 use crate::error::{io, DriverError, Result};
 use crate::records::columns::rows as read_records;
-use crate::records::pairs::{pair_rows, pairs_of, FamilyPair, PairRow};
+use crate::records::pairs::{pair_rows, pairs_of, ArmPair, PairRow};
 use crate::records::seeds::{seed_rows, SeedRow, SeedRun};
 use crate::records::{read_parquet, write_rows, SummaryRow};
 use plotters::prelude::*;
@@ -58,7 +58,7 @@ pub fn write_interim(run_dir: &Path) -> Result<PathBuf> {
 /// first report, in `pairs-interim.parquet`) are compared again, so a
 /// report regenerated later keeps them; pairs named replace them (a
 /// warning lists those dropped).
-pub fn write_with_pairs(run_dir: &Path, interim: bool, pairs: &[FamilyPair]) -> Result<PathBuf> {
+pub fn write_with_pairs(run_dir: &Path, interim: bool, pairs: &[ArmPair]) -> Result<PathBuf> {
     write_with(run_dir, interim, pairs, &[])
 }
 
@@ -73,7 +73,7 @@ pub fn write_with_pairs(run_dir: &Path, interim: bool, pairs: &[FamilyPair]) -> 
 pub fn write_with(
     run_dir: &Path,
     interim: bool,
-    pairs: &[FamilyPair],
+    pairs: &[ArmPair],
     seed_runs: &[PathBuf],
 ) -> Result<PathBuf> {
     let meta = crate::measure::read_json(&run_dir.join("run.json"))?;
@@ -81,7 +81,7 @@ pub fn write_with(
     if meta["kind"] == "measure" {
         if !pairs.is_empty() || !seed_runs.is_empty() {
             return Err(DriverError::Records(format!(
-                "{}: family pairs and seeds combine a sweep's arms; a measurement run has none",
+                "{}: pairs of arms and seeds combine a sweep's arms; a measurement run has none",
                 run_dir.display()
             )));
         }
@@ -183,9 +183,9 @@ fn pairs_file(run_dir: &Path, interim: bool) -> PathBuf {
     derived_file(run_dir, "pairs", interim)
 }
 
-/// The family pairs an earlier report compared: its own pairs file, else
+/// The pairs of arms an earlier report compared: its own pairs file, else
 /// (a finished run's first report) the interim one's.
-fn remembered_pairs(run_dir: &Path, interim: bool) -> Result<Vec<FamilyPair>> {
+fn remembered_pairs(run_dir: &Path, interim: bool) -> Result<Vec<ArmPair>> {
     let mut files = vec![pairs_file(run_dir, interim)];
     if !interim {
         files.push(pairs_file(run_dir, true));
@@ -201,7 +201,7 @@ fn remembered_pairs(run_dir: &Path, interim: bool) -> Result<Vec<FamilyPair>> {
 /// The pairs an earlier report of the run compared (interim or finished, as
 /// `interim`) that a report naming `named` no longer compares: named pairs
 /// replace the remembered ones. None when no earlier pairs can be read.
-pub fn dropped_pairs(run_dir: &Path, interim: bool, named: &[FamilyPair]) -> Vec<FamilyPair> {
+pub fn dropped_pairs(run_dir: &Path, interim: bool, named: &[ArmPair]) -> Vec<ArmPair> {
     remembered_pairs(run_dir, interim)
         .unwrap_or_default()
         .into_iter()
@@ -293,7 +293,7 @@ fn render(
     meta: &serde_json::Value,
     rows: Vec<SummaryRow>,
     interim: Option<&crate::sweep::SweepCoverage>,
-    pairs: &[FamilyPair],
+    pairs: &[ArmPair],
     seeds: &[SeedRow],
 ) -> Result<PathBuf> {
     let anchor = |name: &str| rows.iter().find(|r| r.arm.arm == name).cloned();
@@ -470,7 +470,7 @@ fn render(
     Ok(out)
 }
 
-/// The report's section of family pairs: each compared arm beside the
+/// The report's section of pairs of arms: each compared arm beside the
 /// other family's arm at its grid point.
 fn paired_section(md: &mut String, rows: &[PairRow], interim: bool) {
     let _ = writeln!(

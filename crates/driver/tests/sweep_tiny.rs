@@ -296,7 +296,7 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     // against its two controls. Where the other arm is the summary's strongest
     // control, the pair's statistics are the summary's lift. Two points of
     // one family, named as arms, are paired directly.
-    let pairs: Vec<tolerable_driver::records::FamilyPair> = [
+    let pairs: Vec<tolerable_driver::records::ArmPair> = [
         "act_replace:act_noop",
         "act_replace:act_position",
         "act_replace:act_mismatch",
@@ -382,7 +382,7 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
     assert_eq!(read("pairs.parquet"), paired);
     // Naming pairs replaces the remembered ones: the report names those it
     // would drop (those not named again), none when all are named again.
-    let kept: tolerable_driver::records::FamilyPair = "kv_augment:floor".parse().unwrap();
+    let kept: tolerable_driver::records::ArmPair = "kv_augment:floor".parse().unwrap();
     let dropped = tolerable_driver::report::dropped_pairs(&out, false, std::slice::from_ref(&kept));
     assert_eq!(dropped.len(), pairs.len() - 1);
     assert!(dropped.iter().all(|p| pairs.contains(p) && *p != kept));
@@ -489,7 +489,7 @@ fn a_tiny_sweep_writes_records_that_an_independent_reader_reads() {
         .to_string()
         .contains("not its recorded hash"));
     // A run that finishes: its report replaces what the interim reports
-    // wrote, keeping the family pairs they compared.
+    // wrote, keeping the pairs of arms they compared.
     let done = dir.path().join("done");
     std::fs::create_dir_all(done.join("items")).unwrap();
     std::fs::copy(out.join("run.json"), done.join("run.json")).unwrap();

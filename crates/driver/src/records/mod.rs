@@ -25,7 +25,7 @@ use polars::prelude::*;
 use std::path::{Path, PathBuf};
 
 pub use measure::MeasureRow;
-pub use pairs::{FamilyPair, PairRow};
+pub use pairs::{ArmPair, PairRow};
 pub use resource::ResourceRow;
 pub use seeds::{seed_rows, SeedRow};
 pub use summary::{summarize, SummaryRow};

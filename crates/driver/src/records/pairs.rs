@@ -22,12 +22,12 @@ use crate::record;
 use std::collections::{BTreeMap, HashMap};
 use tolerable_stats::{difference, paired, Proportion};
 
-/// Two arm families compared point by point: each arm of `family` against
-/// the arms of `against` at an agreeing grid point. Either side may name a
-/// single arm instead of a family; two named arms are compared whatever
-/// their points.
+/// Arms to compare, as the researcher names them: two arm families
+/// compared point by point (each arm of `family` against the arms of
+/// `against` at an agreeing grid point), or either side one arm named with
+/// its grid point; two named arms are compared whatever their points.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct FamilyPair {
+pub struct ArmPair {
     /// The compared family (an arm's name before grid expansion), or one
     /// arm named with its grid point.
     pub family: String,
@@ -35,7 +35,7 @@ pub struct FamilyPair {
     pub against: String,
 }
 
-impl std::str::FromStr for FamilyPair {
+impl std::str::FromStr for ArmPair {
     type Err = DriverError;
 
     /// `family:against`, e.g. `holder_add:pool_distractors`; either side
@@ -51,13 +51,13 @@ impl std::str::FromStr for FamilyPair {
                 })
             }
             _ => Err(DriverError::Records(format!(
-                "`{s}` is not a family pair: write `family:against` (two arm families of the run, e.g. `holder_add:pool_distractors`, or arms with their grid points, `holder@layers=8:holder@layers=4`)"
+                "`{s}` is not a pair of arms: write `family:against` (two arm families of the run, e.g. `holder_add:pool_distractors`, or arms with their grid points, `holder@layers=8:holder@layers=4`)"
             ))),
         }
     }
 }
 
-impl std::fmt::Display for FamilyPair {
+impl std::fmt::Display for ArmPair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}:{}", self.family, self.against)
     }
@@ -191,7 +191,7 @@ impl<'a> Arms<'a> {
     /// The error for a side these arms lack (`who`: "the run", "run a"),
     /// listing the arms of its family where the name is a mistyped point,
     /// else the families.
-    fn lacks(&self, pair: &FamilyPair, who: &str, name: &str) -> DriverError {
+    fn lacks(&self, pair: &ArmPair, who: &str, name: &str) -> DriverError {
         let family = name.split_once('@').map_or(name, |(f, _)| f);
         let listing = match self.side(family).as_slice() {
             [] => format!("its families: {}", self.families.join(", ")),
@@ -212,7 +212,7 @@ impl<'a> Arms<'a> {
 /// the colon that leaves an arm or family of the run on both sides. A
 /// family or arm the run does not have, or a pair with no agreeing points,
 /// is an error naming it.
-pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>> {
+pub fn pair_rows(items: &[ItemRow], pairs: &[ArmPair]) -> Result<Vec<PairRow>> {
     let arms = Arms::new(items);
     pair_sides(&arms, &arms, ["the run", "the run"], pairs)
 }
@@ -225,11 +225,7 @@ pub fn pair_rows(items: &[ItemRow], pairs: &[FamilyPair]) -> Result<Vec<PairRow>
 /// run). A row's `arm` and `family` are run `a`'s, its `against` and
 /// `against_family` run `b`'s, its `run` run `a`'s name. A side a run lacks
 /// is an error naming the run.
-pub fn pair_rows_across(
-    a: &[ItemRow],
-    b: &[ItemRow],
-    pairs: &[FamilyPair],
-) -> Result<Vec<PairRow>> {
+pub fn pair_rows_across(a: &[ItemRow], b: &[ItemRow], pairs: &[ArmPair]) -> Result<Vec<PairRow>> {
     pair_sides(&Arms::new(a), &Arms::new(b), ["run a", "run b"], pairs)
 }
 
@@ -240,7 +236,7 @@ fn pair_sides(
     left: &Arms,
     right: &Arms,
     who: [&str; 2],
-    pairs: &[FamilyPair],
+    pairs: &[ArmPair],
 ) -> Result<Vec<PairRow>> {
     let one_run = std::ptr::eq(left, right);
     let point = |r: &ItemRow| -> BTreeMap<String, serde_json::Value> {
@@ -333,14 +329,14 @@ fn pair_sides(
 /// are an error; none leaves the pair as parsed, for the caller to name the
 /// side it lacks.
 fn resolve(
-    pair: &FamilyPair,
+    pair: &ArmPair,
     known_left: impl Fn(&str) -> bool,
     known_right: impl Fn(&str) -> bool,
-) -> Result<FamilyPair> {
+) -> Result<ArmPair> {
     let text = pair.to_string();
-    let splits: Vec<FamilyPair> = text
+    let splits: Vec<ArmPair> = text
         .match_indices(':')
-        .map(|(i, _)| FamilyPair {
+        .map(|(i, _)| ArmPair {
             family: text[..i].trim().to_string(),
             against: text[i + 1..].trim().to_string(),
         })
@@ -361,12 +357,12 @@ fn resolve(
     }
 }
 
-/// The family pairs a pairs file holds, in first-seen order (what a report
+/// The pairs of arms a pairs file holds, in first-seen order (what a report
 /// regenerated without naming pairs compares again).
-pub fn pairs_of(rows: &[PairRow]) -> Vec<FamilyPair> {
-    let mut out: Vec<FamilyPair> = Vec::new();
+pub fn pairs_of(rows: &[PairRow]) -> Vec<ArmPair> {
+    let mut out: Vec<ArmPair> = Vec::new();
     for r in rows {
-        let p = FamilyPair {
+        let p = ArmPair {
             family: r.family.clone(),
             against: r.against_family.clone(),
         };
@@ -456,7 +452,7 @@ mod tests {
                 items.extend(arm("pool", &pt, &[5, 6, 7]));
             }
         }
-        let pair: FamilyPair = "holder:pool".parse().unwrap();
+        let pair: ArmPair = "holder:pool".parse().unwrap();
         let rows = pair_rows(&items, std::slice::from_ref(&pair)).unwrap();
         // One row per holder point, each against the pool at the same point.
         assert_eq!(rows.len(), 4);
@@ -553,7 +549,7 @@ mod tests {
             items.extend(arm("pool", &pt, &[5, 6, 7]));
         }
         // Two points of one family: compared directly, points unmatched.
-        let pair: FamilyPair = "holder@alpha=1.0,layers=8:holder@alpha=1.0,layers=4"
+        let pair: ArmPair = "holder@alpha=1.0,layers=8:holder@alpha=1.0,layers=4"
             .parse()
             .unwrap();
         let rows = pair_rows(&items, std::slice::from_ref(&pair)).unwrap();
@@ -597,7 +593,7 @@ mod tests {
             "h_suffix@layers=\"suffix:4\"",
             "h_suffix@layers=\"suffix:8\"",
         );
-        let pair: FamilyPair = format!("{a4}:{a8}").parse().unwrap();
+        let pair: ArmPair = format!("{a4}:{a8}").parse().unwrap();
         let rows = pair_rows(&items, std::slice::from_ref(&pair)).unwrap();
         assert_eq!(rows.len(), 1);
         let r = &rows[0];
@@ -708,11 +704,11 @@ mod tests {
 
     #[test]
     fn a_pair_is_written_family_colon_family() {
-        let p: FamilyPair = " a : b ".parse().unwrap();
+        let p: ArmPair = " a : b ".parse().unwrap();
         assert_eq!((p.family.as_str(), p.against.as_str()), ("a", "b"));
         assert_eq!(p.to_string(), "a:b");
         for bad in ["ab", ":b", "a:"] {
-            let e = bad.parse::<FamilyPair>().unwrap_err().to_string();
+            let e = bad.parse::<ArmPair>().unwrap_err().to_string();
             assert!(e.contains("family:against"), "{bad}: {e}");
         }
     }
