@@ -30,7 +30,7 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 
 /// Writes `report.md` and `plots/*.png` for the run in `run_dir`; returns
 /// the report's path. A measurement run's folder gets its own report
-/// ([`crate::measure::report::write`]). Family pairs a previous report
+/// ([`crate::measure::report::write`]). Pairs of arms a previous report
 /// compared (`pairs.parquet`) are compared again ([`write_with_pairs`]);
 /// what interim reports wrote is removed, superseded.
 pub fn write(run_dir: &Path) -> Result<PathBuf> {
@@ -202,10 +202,20 @@ fn remembered_pairs(run_dir: &Path, interim: bool) -> Result<Vec<ArmPair>> {
 /// `interim`) that a report naming `named` no longer compares: named pairs
 /// replace the remembered ones. None when no earlier pairs can be read.
 pub fn dropped_pairs(run_dir: &Path, interim: bool, named: &[ArmPair]) -> Vec<ArmPair> {
-    remembered_pairs(run_dir, interim)
-        .unwrap_or_default()
+    not_named(
+        remembered_pairs(run_dir, interim).unwrap_or_default(),
+        named,
+    )
+}
+
+/// The pairs of `remembered` that `named` does not name again, compared as
+/// written (`a:b`): a pair typed with a colon inside a grid value is parsed
+/// at its first colon, and remembered split where the run's names are.
+fn not_named(remembered: Vec<ArmPair>, named: &[ArmPair]) -> Vec<ArmPair> {
+    let named: Vec<String> = named.iter().map(ToString::to_string).collect();
+    remembered
         .into_iter()
-        .filter(|p| !named.contains(p))
+        .filter(|p| !named.contains(&p.to_string()))
         .collect()
 }
 
@@ -483,7 +493,9 @@ fn paired_section(md: &mut String, rows: &[PairRow], interim: bool) {
 
 /// Paired rows as a Markdown table: each arm beside the arm it is compared
 /// against, their accuracies over the items both scored, the difference
-/// with its 95% interval, items gained / lost and the exact McNemar p.
+/// with its 95% interval, items gained / lost, the exact McNemar p and the
+/// items with the same continuation (– for a row read from a pairs file
+/// written before it was counted).
 pub fn pairs_table(rows: &[PairRow]) -> String {
     let mut md = String::new();
     let _ = writeln!(
@@ -1111,6 +1123,24 @@ fn draw(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pair_named_again_is_not_dropped_whatever_its_colons() {
+        // Remembered split where the run's names are; typed, split at the
+        // first colon: the same pair.
+        let remembered = vec![
+            ArmPair {
+                family: "budget_noise@layers=prefix:1".into(),
+                against: "native".into(),
+            },
+            "budget_genuine:budget_noise".parse().unwrap(),
+        ];
+        let typed: ArmPair = "budget_noise@layers=prefix:1:native".parse().unwrap();
+        assert_ne!(typed, remembered[0]);
+        let dropped = not_named(remembered.clone(), &[typed]);
+        assert_eq!(dropped, vec![remembered[1].clone()]);
+        assert!(not_named(remembered.clone(), &remembered).is_empty());
+    }
 
     #[test]
     fn finished_cells_read_as_ranges() {

@@ -7,7 +7,11 @@
 //! the arm of the second family whose grid point agrees with its own, over
 //! the items both scored, with the statistics of the summary's lift
 //! (`tolerable-stats`: the difference of two proportions with its 95%
-//! interval, and the paired outcomes with the exact McNemar p).
+//! interval, and the paired outcomes with the exact McNemar p), and the
+//! items on which both decoded the same continuation. Two families whose
+//! grid axes differ on both sides (one quantity under two names,
+//! `blend.target_cosine` against `perturb.target_cosine`) are refused
+//! rather than crossed on them.
 //!
 //! A side of a pair may also name one arm with its grid point (the arm's
 //! name, `bridged@bridge.resource=lora_kv`): two points of one family
@@ -132,8 +136,12 @@ fn crossing(
     (!oa.is_empty() && !ob.is_empty()).then_some((oa, ob))
 }
 
-/// An arm's outcome and continuation text by item id.
-type ByItem<'a> = HashMap<&'a str, (bool, &'a str)>;
+/// An arm's outcome on an item: whether it answered, and the continuation
+/// it decoded.
+type Outcome<'a> = (bool, &'a str);
+
+/// An arm's outcomes by item id.
+type ByItem<'a> = HashMap<&'a str, Outcome<'a>>;
 
 /// One run's arms as a side of a pair: in the order its item rows first
 /// name them, each with its first row (family and grid point) and its
@@ -210,8 +218,9 @@ impl<'a> Arms<'a> {
 /// that arm alone; a pair of two named arms is compared without matching
 /// their points. A pair whose text holds more than one colon is split at
 /// the colon that leaves an arm or family of the run on both sides. A
-/// family or arm the run does not have, or a pair with no agreeing points,
-/// is an error naming it.
+/// family or arm the run does not have, a pair with no agreeing points, or
+/// two families whose points each have axes the other lacks (they would
+/// cross on those), is an error naming it.
 pub fn pair_rows(items: &[ItemRow], pairs: &[ArmPair]) -> Result<Vec<PairRow>> {
     let arms = Arms::new(items);
     pair_sides(&arms, &arms, ["the run", "the run"], pairs)
@@ -252,7 +261,7 @@ fn pair_sides(
         if theirs.is_empty() {
             return Err(right.lacks(pair, who[1], &pair.against));
         }
-        let both_arms = left.names_arm(&pair.family) && right.names_arm(&pair.against);
+        let named = [left.names_arm(&pair.family), right.names_arm(&pair.against)];
         let before = out.len();
         for a in &mine {
             let (ra, by_item_a) = &left.by_name[a];
@@ -260,56 +269,26 @@ fn pair_sides(
             for b in &theirs {
                 let (rb, by_item_b) = &right.by_name[b];
                 let pb = point(rb);
-                if (one_run && a == b) || (!both_arms && !agree(&pb, &pa)) {
+                if (one_run && a == b) || (named != [true, true] && !agree(&pb, &pa)) {
                     continue;
                 }
-                if let Some((oa, ob)) = (!both_arms).then(|| crossing(&pa, &pb)).flatten() {
+                // Two families only: a named arm has one point to cross.
+                if let Some((oa, ob)) = (named == [false, false])
+                    .then(|| crossing(&pa, &pb))
+                    .flatten()
+                {
                     return Err(DriverError::Records(format!(
                         "pair `{pair}`: `{a}` has axes `{b}` lacks ({}) and `{b}` axes `{a}` lacks ({}); matched on their shared axes only, each arm would meet every point of the other on these. Name the arms to pair (`{a}:{b}`), or families whose axes match",
                         oa.join(", "),
                         ob.join(", "),
                     )));
                 }
-                type Outcome<'b> = &'b (bool, &'b str);
-                let both: Vec<(Outcome, Outcome)> = by_item_a
-                    .iter()
-                    .filter_map(|(id, x)| by_item_b.get(id).map(|y| (x, y)))
-                    .collect();
-                let (xa, xb): (Vec<bool>, Vec<bool>) = both.iter().map(|(x, y)| (x.0, y.0)).unzip();
-                let same = both.iter().filter(|(x, y)| x.1 == y.1).count();
-                if xa.is_empty() {
-                    continue;
+                if let Some(row) = compared(pair, (a, ra, by_item_a), (b, by_item_b))? {
+                    out.push(row);
                 }
-                let n = xa.len();
-                let count = |v: &[bool]| v.iter().filter(|&&x| x).count();
-                let (p, q) = (
-                    Proportion::new(count(&xa), n)?,
-                    Proportion::new(count(&xb), n)?,
-                );
-                let d = difference(p, q);
-                let pd = paired(&xa, &xb)?;
-                out.push(PairRow {
-                    run: ra.arm.run.clone(),
-                    family: pair.family.clone(),
-                    against_family: pair.against.clone(),
-                    arm: a.to_string(),
-                    against: b.to_string(),
-                    point: ra.arm.point.clone(),
-                    n_items: n as i64,
-                    accuracy: p.p(),
-                    against_accuracy: q.p(),
-                    diff: d.diff,
-                    diff_lo: d.ci95.lo,
-                    diff_hi: d.ci95.hi,
-                    gained: pd.gained as i64,
-                    lost: pd.lost as i64,
-                    paired_se: pd.se,
-                    mcnemar_p: pd.mcnemar_p,
-                    same_continuation: Some(same as i64),
-                });
             }
         }
-        if out.len() == before && both_arms {
+        if out.len() == before && named == [true, true] {
             return Err(DriverError::Records(format!(
                 "pair `{pair}`: the two arms scored no item in common"
             )));
@@ -322,6 +301,53 @@ fn pair_sides(
         }
     }
     Ok(out)
+}
+
+/// Arm `a` (its first row, its outcomes by item) against arm `b` over the
+/// items both scored, as `pair` named them: the difference of the two
+/// accuracies, the paired outcomes, the same continuations. None when they
+/// share no item.
+fn compared(
+    pair: &ArmPair,
+    (a, ra, by_item_a): (&str, &ItemRow, &ByItem),
+    (b, by_item_b): (&str, &ByItem),
+) -> Result<Option<PairRow>> {
+    let both: Vec<(&Outcome, &Outcome)> = by_item_a
+        .iter()
+        .filter_map(|(id, x)| by_item_b.get(id).map(|y| (x, y)))
+        .collect();
+    if both.is_empty() {
+        return Ok(None);
+    }
+    let (xa, xb): (Vec<bool>, Vec<bool>) = both.iter().map(|(x, y)| (x.0, y.0)).unzip();
+    let same = both.iter().filter(|(x, y)| x.1 == y.1).count();
+    let n = both.len();
+    let count = |v: &[bool]| v.iter().filter(|&&x| x).count();
+    let (p, q) = (
+        Proportion::new(count(&xa), n)?,
+        Proportion::new(count(&xb), n)?,
+    );
+    let d = difference(p, q);
+    let pd = paired(&xa, &xb)?;
+    Ok(Some(PairRow {
+        run: ra.arm.run.clone(),
+        family: pair.family.clone(),
+        against_family: pair.against.clone(),
+        arm: a.to_string(),
+        against: b.to_string(),
+        point: ra.arm.point.clone(),
+        n_items: n as i64,
+        accuracy: p.p(),
+        against_accuracy: q.p(),
+        diff: d.diff,
+        diff_lo: d.ci95.lo,
+        diff_hi: d.ci95.hi,
+        gained: pd.gained as i64,
+        lost: pd.lost as i64,
+        paired_se: pd.se,
+        mcnemar_p: pd.mcnemar_p,
+        same_continuation: Some(same as i64),
+    }))
 }
 
 /// `pair` split at the one colon of its text that leaves a name known to
@@ -537,6 +563,10 @@ mod tests {
         let both = "genuine@blend.target_cosine=0.9,carrier=\"k\":noise@carrier=\"k\",perturb.target_cosine=0.9";
         let rows = pair_rows(&crossed, &[both.parse().unwrap()]).unwrap();
         assert_eq!((rows.len(), rows[0].gained, rows[0].lost), (1, 1, 1));
+        // One named arm crosses nothing: it meets each agreeing arm of the family.
+        let one = "genuine@blend.target_cosine=0.9,carrier=\"k\":noise";
+        let rows = pair_rows(&crossed, &[one.parse().unwrap()]).unwrap();
+        assert_eq!(rows.len(), 2);
     }
 
     #[test]
@@ -683,6 +713,19 @@ mod tests {
         assert_eq!((q.n_items, q.gained, q.lost), (10, 2, 1));
         assert!((q.mcnemar_p - tolerable_stats::mcnemar_exact(2, 1)).abs() < 1e-15);
         assert_eq!((rows[1].gained, rows[1].lost), (0, 1));
+        // Only the items both scored count: run b's arm on items 0..6 only.
+        let short: Vec<ItemRow> = arm("bridged", "{\"bridge.resource\":\"q\"}", &[0, 1, 5])
+            .into_iter()
+            .take(6)
+            .collect();
+        let rows =
+            pair_rows_across(&a, &short, &["native_bridged:bridged".parse().unwrap()]).unwrap();
+        // Both right on 0, 1 (the same text); both wrong on 4, each with its own.
+        assert_eq!(
+            (rows.len(), rows[0].n_items, rows[0].gained, rows[0].lost),
+            (1, 6, 2, 1)
+        );
+        assert_eq!(rows[0].same_continuation, Some(2));
         // A name both runs have is run a's on the left, run b's on the right.
         let rows = pair_rows_across(
             &a,
