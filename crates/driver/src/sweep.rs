@@ -567,11 +567,13 @@ pub fn obtain_resources(
                     );
                 }
                 // Its copy on disk too: the group's resources are obtained.
-                if let Some(kept) = shared_dirs[i].as_ref().filter(|d| remove_leftover(d)) {
-                    tracing::info!(
-                        "after resource `{name}`: its group's kept examples removed ({})",
-                        kept.display()
-                    );
+                if let Some(kept) = &shared_dirs[i] {
+                    if remove_leftover(kept) {
+                        tracing::info!(
+                            "after resource `{name}`: its group's kept examples removed ({})",
+                            kept.display()
+                        );
+                    }
                 }
             }
         }
@@ -970,15 +972,6 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     let (mcfg, _, _) = header(&cfg.run.model)?;
     let plan = compile(&cfg, &mcfg, &cfg.run.model, &model_config_of)?;
     check_writable(&dir, bytes_needed(cfg.data.n, cfg.arms.len()))?;
-    // A bridge's progress interval comes from the environment: refused
-    // here, not after the gates and an hour of training examples.
-    if cfg
-        .resources
-        .values()
-        .any(|r| matches!(r, crate::resources::ResourceSpec::Bridge(_)))
-    {
-        crate::resources::bridge::progress_setting()?;
-    }
     let t_load = Instant::now();
     let mut ck = tolerable_fetch::load(&cfg.run.model, precision, &candle_core::Device::Cpu)?;
     ck.model = ck.model.with_row_kernel(cfg.run.row_kernel);

@@ -1095,8 +1095,9 @@ fn progress_every(value: Option<&str>) -> Result<Duration> {
 
 /// How often a training saves its progress inside an epoch, as this
 /// process's environment sets it ([`PROGRESS_SECS_ENV`]); an invalid value
-/// is refused by name. A sweep with bridges asks before its model loads.
-pub(crate) fn progress_setting() -> Result<Duration> {
+/// is refused by name (by a bridge's validation, before a sweep's model
+/// loads).
+fn progress_setting() -> Result<Duration> {
     progress_every(std::env::var(PROGRESS_SECS_ENV).ok().as_deref())
 }
 
@@ -1233,6 +1234,9 @@ impl ResourceKind for BridgeSpec {
             return err("layers: no layer".into());
         }
         self.compile(field, cfg)?;
+        // Read from the environment: refused with the plan, before the
+        // model loads, not after the gates and the training examples.
+        progress_setting()?;
         Ok(())
     }
 
