@@ -99,8 +99,10 @@ enum Cmd {
         /// against the second's arm at the same grid point, in the report
         /// and `pairs.parquet`. A side may name one arm with its point
         /// (`bridged@bridge.resource=lora_kv:bridged@bridge.resource=lora_q`):
-        /// two named arms are compared directly. Without it, the pairs of an
-        /// earlier report are compared again; with it, they are replaced.
+        /// two named arms are compared directly. Two families whose grid
+        /// axes differ on both sides are refused (name their arms). Without
+        /// it, the pairs of an earlier report are compared again; with it,
+        /// they are replaced.
         #[arg(long = "pair", value_name = "FAMILY:AGAINST")]
         pairs: Vec<tolerable_driver::records::ArmPair>,
         /// Another run of the same trained arms with bridges trained from
@@ -119,7 +121,8 @@ enum Cmd {
     /// run): every (arm, item) row's outcome columns, value for value. With
     /// `--pair`, pair arms of the two runs instead over the items both
     /// scored (the same adapter on two caches): a Markdown table of
-    /// differences, items gained / lost and exact McNemar p.
+    /// differences, items gained / lost, exact McNemar p and same
+    /// continuations.
     Compare {
         /// The first run folder.
         a: PathBuf,
