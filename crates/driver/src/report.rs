@@ -397,9 +397,15 @@ fn render(
         }
         let _ = writeln!(md);
     }
+    // A summary written before the lift's paired columns has none to show.
+    let paired = if rows.iter().any(|r| r.lift_gained.is_some()) {
+        "; paired items gained/lost, McNemar p"
+    } else {
+        ""
+    };
     let _ = writeln!(
         md,
-        "| arm | n | accuracy ± SE | 95% CI | Wilson 95% | conditional (n) | span-copy | conditional − span-copy (z) | fidelity cos | achieved cos | logit corr | lift over strongest control [95% CI]; paired items gained/lost, McNemar p | bit-exact |"
+        "| arm | n | accuracy ± SE | 95% CI | Wilson 95% | conditional (n) | span-copy | conditional − span-copy (z) | fidelity cos | achieved cos | logit corr | lift over strongest control [95% CI]{paired} | bit-exact |"
     );
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
