@@ -472,8 +472,6 @@ pub fn obtain_resources(
                         "resource `{name}` ({}) loaded from the cache ({hash})",
                         kind.describe()
                     );
-                    // A progress file left by a build killed after saving.
-                    remove_leftover(&store.progress_file(kind.kind(), hash));
                     (
                         v,
                         Obtained::Cached,
@@ -532,8 +530,6 @@ pub fn obtain_resources(
                             resumed_after_steps: resumed.map(|r| r.steps),
                         },
                     )?;
-                    // Saved: the training progress is no longer needed.
-                    remove_leftover(&store.progress_file(kind.kind(), hash));
                     let how = resumed
                         .map(|r| format!(" this invocation, resumed after {r}"))
                         .unwrap_or_default();
@@ -568,7 +564,7 @@ pub fn obtain_resources(
                 }
                 // Its copy on disk too: the group's resources are obtained.
                 if let Some(kept) = &shared_dirs[i] {
-                    if remove_leftover(kept) {
+                    if store.remove_shared(kept) {
                         tracing::info!(
                             "after resource `{name}`: its group's kept examples removed ({})",
                             kept.display()
@@ -583,27 +579,6 @@ pub fn obtain_resources(
         }
     }
     Ok((values, info))
-}
-
-/// Removes a file or folder the sweep no longer needs (a saved build's
-/// progress, a finished group's kept training examples): true when it was
-/// there and is gone. A failure is a warning, not an error: what it served
-/// is saved.
-fn remove_leftover(path: &Path) -> bool {
-    let removed = if path.is_dir() {
-        std::fs::remove_dir_all(path)
-    } else if path.exists() {
-        std::fs::remove_file(path)
-    } else {
-        return false;
-    };
-    match removed {
-        Ok(()) => true,
-        Err(e) => {
-            tracing::warn!("removing {}: {e}", path.display());
-            false
-        }
-    }
 }
 
 /// What `run.json` records of obtained resources: per resource its spec,

@@ -177,16 +177,34 @@ impl Store {
             .load(&value_path)
             .and_then(|v| kind.check(&v, cfg).map(|_| v))
         {
-            Ok(v) => Ok(Ok((v, meta))),
+            Ok(v) => {
+                // A progress file left by a build killed after saving.
+                remove_leftover(&self.progress_file(kind.kind(), hash));
+                Ok(Ok((v, meta)))
+            }
             Err(e) => Ok(Err(format!("{}: {e}", value_path.display()))),
         }
     }
 
     /// Saves a built value atomically (a temporary folder, then a rename)
-    /// and returns the sha256 of its value file. A failed save leaves no
-    /// temporary folder; when another process (a shard) saved the same hash
-    /// first, its copy is kept (and this value's checksum still returned).
+    /// and returns the sha256 of its value file; its training progress, no
+    /// longer needed, is removed. A failed save leaves no temporary folder;
+    /// when another process (a shard) saved the same hash first, its copy is
+    /// kept (and this value's checksum still returned).
     pub fn save(&self, value: &Value, meta: &Meta) -> Result<String> {
+        let sha = self.write_value(value, meta)?;
+        remove_leftover(&self.progress_file(meta.spec.kind().kind(), &meta.hash));
+        Ok(sha)
+    }
+
+    /// Removes a group's kept shared work ([`Self::shared_dir`]) once the
+    /// group's resources are obtained: true when it was there and is gone.
+    pub fn remove_shared(&self, dir: &Path) -> bool {
+        remove_leftover(dir)
+    }
+
+    /// [`Self::save`]'s atomic write of the value folder.
+    fn write_value(&self, value: &Value, meta: &Meta) -> Result<String> {
         let kind = meta.spec.kind();
         let dir = self.folder(kind.kind(), &meta.hash);
         std::fs::create_dir_all(&self.root)
@@ -231,6 +249,27 @@ impl Store {
             }
         }
         written.map(|_| sha.into_inner())
+    }
+}
+
+/// Removes a file or folder the store no longer needs (a saved build's
+/// progress, a finished group's kept training examples): true when it was
+/// there and is gone. A failure is a warning, not an error: what it served
+/// is saved.
+fn remove_leftover(path: &Path) -> bool {
+    let removed = if path.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else if path.exists() {
+        std::fs::remove_file(path)
+    } else {
+        return false;
+    };
+    match removed {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!("removing {}: {e}", path.display());
+            false
+        }
     }
 }
 
