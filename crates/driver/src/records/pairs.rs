@@ -30,7 +30,10 @@ use tolerable_stats::{difference, paired, Proportion};
 /// compared point by point (each arm of `family` against the arms of
 /// `against` at an agreeing grid point), or either side one arm named with
 /// its grid point; two named arms are compared whatever their points.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+/// Two pairs are the same when they read the same (`a:b`): a pair typed
+/// with a colon inside a grid value is parsed at its first colon and
+/// resolved against the run's names later, so its split may differ.
+#[derive(Debug, Clone)]
 pub struct ArmPair {
     /// The compared family (an arm's name before grid expansion), or one
     /// arm named with its grid point.
@@ -66,6 +69,14 @@ impl std::fmt::Display for ArmPair {
         write!(f, "{}:{}", self.family, self.against)
     }
 }
+
+impl PartialEq for ArmPair {
+    fn eq(&self, other: &Self) -> bool {
+        self.to_string() == other.to_string()
+    }
+}
+
+impl Eq for ArmPair {}
 
 record! {
     /// One arm against an arm of another family at an agreeing grid point
@@ -109,8 +120,11 @@ record! {
     }
 }
 
+/// An arm's grid point, axis by axis, with typed values.
+type Point = BTreeMap<String, serde_json::Value>;
+
 /// Whether two grid points agree on every axis both have.
-fn agree(a: &BTreeMap<String, serde_json::Value>, b: &BTreeMap<String, serde_json::Value>) -> bool {
+fn agree(a: &Point, b: &Point) -> bool {
     a.iter().all(|(k, v)| b.get(k).is_none_or(|w| w == v))
 }
 
@@ -121,12 +135,8 @@ fn agree(a: &BTreeMap<String, serde_json::Value>, b: &BTreeMap<String, serde_jso
 /// (`blend.target_cosine` against `perturb.target_cosine`). One point
 /// having axes the other lacks is a family meeting every point of a
 /// coarser one, and no crossing.
-fn crossing(
-    a: &BTreeMap<String, serde_json::Value>,
-    b: &BTreeMap<String, serde_json::Value>,
-) -> Option<(Vec<String>, Vec<String>)> {
-    let only = |x: &BTreeMap<String, serde_json::Value>,
-                y: &BTreeMap<String, serde_json::Value>| {
+fn crossing(a: &Point, b: &Point) -> Option<(Vec<String>, Vec<String>)> {
+    let only = |x: &Point, y: &Point| {
         x.keys()
             .filter(|k| !y.contains_key(*k))
             .cloned()
@@ -144,11 +154,11 @@ type Outcome<'a> = (bool, &'a str);
 type ByItem<'a> = HashMap<&'a str, Outcome<'a>>;
 
 /// One run's arms as a side of a pair: in the order its item rows first
-/// name them, each with its first row (family and grid point) and its
+/// name them, each with its first row (family), its grid point and its
 /// outcome and continuation by item.
 struct Arms<'a> {
     order: Vec<&'a str>,
-    by_name: HashMap<&'a str, (&'a ItemRow, ByItem<'a>)>,
+    by_name: HashMap<&'a str, (&'a ItemRow, Point, ByItem<'a>)>,
     families: Vec<&'a str>,
 }
 
@@ -156,16 +166,17 @@ impl<'a> Arms<'a> {
     fn new(items: &'a [ItemRow]) -> Self {
         let mut order: Vec<&str> = Vec::new();
         let mut families: Vec<&str> = Vec::new();
-        let mut by_name: HashMap<&str, (&ItemRow, ByItem)> = HashMap::new();
+        let mut by_name: HashMap<&str, (&ItemRow, Point, ByItem)> = HashMap::new();
         for r in items {
             let e = by_name.entry(r.arm.arm.as_str()).or_insert_with(|| {
                 order.push(r.arm.arm.as_str());
                 if !families.contains(&r.arm.family.as_str()) {
                     families.push(r.arm.family.as_str());
                 }
-                (r, HashMap::new())
+                let point = serde_json::from_str(&r.arm.point).unwrap_or_default();
+                (r, point, HashMap::new())
             });
-            e.1.insert(r.item_id.as_str(), (r.correct, r.continuation.as_str()));
+            e.2.insert(r.item_id.as_str(), (r.correct, r.continuation.as_str()));
         }
         Self {
             order,
@@ -248,9 +259,6 @@ fn pair_sides(
     pairs: &[ArmPair],
 ) -> Result<Vec<PairRow>> {
     let one_run = std::ptr::eq(left, right);
-    let point = |r: &ItemRow| -> BTreeMap<String, serde_json::Value> {
-        serde_json::from_str(&r.arm.point).unwrap_or_default()
-    };
     let mut out = Vec::new();
     for pair in pairs {
         let pair = &resolve(pair, |f| left.knows(f), |f| right.knows(f))?;
@@ -264,17 +272,15 @@ fn pair_sides(
         let named = [left.names_arm(&pair.family), right.names_arm(&pair.against)];
         let before = out.len();
         for a in &mine {
-            let (ra, by_item_a) = &left.by_name[a];
-            let pa = point(ra);
+            let (ra, pa, by_item_a) = &left.by_name[a];
             for b in &theirs {
-                let (rb, by_item_b) = &right.by_name[b];
-                let pb = point(rb);
-                if (one_run && a == b) || (named != [true, true] && !agree(&pb, &pa)) {
+                let (_, pb, by_item_b) = &right.by_name[b];
+                if (one_run && a == b) || (named != [true, true] && !agree(pb, pa)) {
                     continue;
                 }
                 // Two families only: a named arm has one point to cross.
                 if let Some((oa, ob)) = (named == [false, false])
-                    .then(|| crossing(&pa, &pb))
+                    .then(|| crossing(pa, pb))
                     .flatten()
                 {
                     return Err(DriverError::Records(format!(
@@ -611,6 +617,32 @@ mod tests {
             e.contains("no arm or family `holder@alpha=1.0,layers=12`"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_pair_is_the_same_pair_whatever_its_split() {
+        // Remembered split where the run's names are; typed, split at the
+        // first colon: the same pair, so a report naming it again does not
+        // drop it (`report::dropped_pairs` keeps those `named.contains`).
+        let remembered = [
+            ArmPair {
+                family: "budget_noise@layers=prefix:1".into(),
+                against: "native".into(),
+            },
+            "budget_genuine:budget_noise".parse().unwrap(),
+        ];
+        let typed: ArmPair = "budget_noise@layers=prefix:1:native".parse().unwrap();
+        assert_ne!(
+            (&typed.family, &typed.against),
+            (&remembered[0].family, &remembered[0].against)
+        );
+        assert_eq!(typed, remembered[0]);
+        let named = [typed];
+        let dropped: Vec<&ArmPair> = remembered.iter().filter(|p| !named.contains(p)).collect();
+        assert_eq!(dropped, vec![&remembered[1]]);
+        // Another point is another pair.
+        let other: ArmPair = "budget_noise@layers=prefix:2:native".parse().unwrap();
+        assert!(!remembered.contains(&other));
     }
 
     #[test]
