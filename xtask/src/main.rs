@@ -131,6 +131,11 @@ enum Cmd {
         /// Also write the comparison (or the paired rows) as JSON here.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// The first run is a part of the second (a rerun of some of its
+        /// arms or items): every row of the first must have its partner
+        /// with equal values; rows only the second has are allowed.
+        #[arg(long, conflicts_with = "pairs")]
+        subset: bool,
         /// Pair an arm or family of the first run with one of the second,
         /// `a_side:b_side` as `report --pair` takes them (families meet at
         /// agreeing grid points; two named arms directly), repeatable.
@@ -217,7 +222,9 @@ fn main() -> Result<()> {
             seeds,
         } => sweep::report(dir, interim, pairs, seeds)?,
         Cmd::Bench(opts) => bench::run(opts)?,
-        Cmd::Compare { a, b, out, pairs } if !pairs.is_empty() => {
+        Cmd::Compare {
+            a, b, out, pairs, ..
+        } if !pairs.is_empty() => {
             let rows = tolerable_driver::records::pairs::pair_rows_across(
                 &tolerable_driver::records::read_items(&a)?,
                 &tolerable_driver::records::read_items(&b)?,
@@ -239,7 +246,9 @@ fn main() -> Result<()> {
                     .with_context(|| format!("writing {}", p.display()))?;
             }
         }
-        Cmd::Compare { a, b, out, .. } => {
+        Cmd::Compare {
+            a, b, out, subset, ..
+        } => {
             let c = tolerable_driver::records::compare::compare_runs(&a, &b)?;
             let text = serde_json::to_string_pretty(&serde_json::json!({
                 "a": a.display().to_string(),
@@ -251,7 +260,16 @@ fn main() -> Result<()> {
                 std::fs::write(&p, format!("{text}\n"))
                     .with_context(|| format!("writing {}", p.display()))?;
             }
-            if !c.identical {
+            if subset && !c.a_within_b() {
+                anyhow::bail!(
+                    "{} is not a part of {} ({} of its rows without a partner; differing: {:?})",
+                    a.display(),
+                    b.display(),
+                    c.only_a,
+                    c.differing
+                );
+            }
+            if !subset && !c.identical {
                 anyhow::bail!(
                     "the runs differ ({} unmatched rows; differing: {:?})",
                     c.unmatched,

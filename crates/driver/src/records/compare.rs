@@ -39,6 +39,10 @@ pub struct Comparison {
     pub matched: usize,
     /// Rows of one run without a partner in the other.
     pub unmatched: usize,
+    /// Rows of the first run without a partner in the second.
+    pub only_a: usize,
+    /// Rows of the second run without a partner in the first.
+    pub only_b: usize,
     /// Per compared column, the rows whose values differ.
     pub differing: BTreeMap<String, usize>,
     /// Largest absolute difference of each floating column.
@@ -47,6 +51,15 @@ pub struct Comparison {
     pub examples: Vec<String>,
     /// Whether every row matched with equal values in every compared column.
     pub identical: bool,
+}
+
+impl Comparison {
+    /// Whether the first run is a part of the second: every row of the
+    /// first has its partner, with equal values in every compared column
+    /// (a rerun of some arms or items of a larger run).
+    pub fn a_within_b(&self) -> bool {
+        self.only_a == 0 && self.differing.values().all(|&n| n == 0)
+    }
 }
 
 /// A column's values as text (lists and numbers in one canonical form), by row.
@@ -150,16 +163,75 @@ pub fn compare_runs(a: &Path, b: &Path) -> Result<Comparison> {
             }
         }
     }
-    let unmatched = (rows_a - matched) + (rows_b - matched);
+    let (only_a, only_b) = (rows_a - matched, rows_b - matched);
+    let unmatched = only_a + only_b;
     let identical = unmatched == 0 && differing.values().all(|&n| n == 0);
     Ok(Comparison {
         rows_a,
         rows_b,
         matched,
         unmatched,
+        only_a,
+        only_b,
         differing,
         max_abs_diff: max_abs,
         examples,
         identical,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::write_parquet_atomic;
+
+    /// A run folder whose one cell holds these (arm, item, continuation, correct) rows.
+    fn run(rows: &[(&str, &str, &str, bool)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let col = |f: fn(&(&str, &str, &str, bool)) -> String| -> Vec<String> {
+            rows.iter().map(f).collect()
+        };
+        let mut df = df!(
+            "arm" => col(|r| r.0.to_string()),
+            "item_id" => col(|r| r.1.to_string()),
+            "continuation" => col(|r| r.2.to_string()),
+            "correct" => rows.iter().map(|r| r.3).collect::<Vec<_>>(),
+            "seconds" => rows.iter().map(|_| 1.0f64).collect::<Vec<_>>(),
+        )
+        .unwrap();
+        write_parquet_atomic(&mut df, &dir.path().join("items/cell-0000.parquet")).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_rerun_of_part_of_a_run_is_within_it_and_not_identical_to_it() {
+        let whole = run(&[
+            ("floor", "q1", "Paris", true),
+            ("floor", "q2", "Rome", false),
+            ("native", "q1", "Paris", true),
+        ]);
+        let part = run(&[
+            ("floor", "q1", "Paris", true),
+            ("native", "q1", "Paris", true),
+        ]);
+        let c = compare_runs(part.path(), whole.path()).unwrap();
+        assert_eq!((c.matched, c.only_a, c.only_b, c.unmatched), (2, 0, 1, 1));
+        assert!(c.a_within_b() && !c.identical);
+        // The other way round the larger run is not a part of the smaller.
+        let c = compare_runs(whole.path(), part.path()).unwrap();
+        assert_eq!((c.only_a, c.only_b), (1, 0));
+        assert!(!c.a_within_b());
+        // A part that decodes another continuation is not within the whole.
+        let other = run(&[("floor", "q1", "Lyon", false)]);
+        let c = compare_runs(other.path(), whole.path()).unwrap();
+        assert_eq!(
+            (c.differing["continuation"], c.differing["correct"]),
+            (1, 1)
+        );
+        assert!(!c.a_within_b());
+        assert_eq!(c.examples.len(), 2);
+        // A run compared with itself is identical (wall-clock seconds aside).
+        let c = compare_runs(whole.path(), whole.path()).unwrap();
+        assert!(c.identical && c.a_within_b());
+    }
 }
