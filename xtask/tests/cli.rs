@@ -294,6 +294,25 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
         parquet_rows(&whole.join("summary.parquet")),
         parquet_rows(&sharded.join("summary.parquet"))
     );
+    // The merge is recorded beside the shards' invocations, not among them.
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sharded.join("run.json")).unwrap()).unwrap();
+    let summaries = meta["summaries"].as_array().unwrap();
+    assert_eq!(summaries.len(), 1);
+    assert!(summaries[0]["command"]
+        .as_str()
+        .unwrap()
+        .contains("--merge"));
+    assert!(meta["invocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|i| !i["command"].as_str().unwrap().contains("--merge")));
+    // A later run on the folder keeps the record of the merge.
+    sweep_with(&sharded, &[]);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sharded.join("run.json")).unwrap()).unwrap();
+    assert_eq!(meta["summaries"].as_array().map(Vec::len), Some(1));
 }
 
 #[test]

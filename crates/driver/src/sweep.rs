@@ -166,6 +166,29 @@ fn record_time(meta: &mut serde_json::Value, dir: &Path, fields: serde_json::Val
     write_json_atomic(&dir.join("run.json"), meta)
 }
 
+/// Adds this `--merge` to run.json's `summaries`: the command and the
+/// revision of the binary that wrote summary.parquet again from the cells
+/// (the cells' own invocations stay as they were).
+fn record_summary(dir: &Path) -> Result<()> {
+    let path = dir.join("run.json");
+    let text = std::fs::read_to_string(&path).map_err(io(format!("reading {}", path.display())))?;
+    let mut meta: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| DriverError::Records(format!("{}: {e}", path.display())))?;
+    let entry = serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "build_revision": crate::measure::build_revision(),
+        "unix_time": std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    });
+    match meta["summaries"].as_array_mut() {
+        Some(list) => list.push(entry),
+        None => meta["summaries"] = serde_json::json!([entry]),
+    }
+    write_json_atomic(&path, &meta)
+}
+
 /// Loads the config and applies the command line's overrides.
 pub fn load_config(config: &Path, opts: &SweepOptions) -> Result<SweepConfig> {
     let mut cfg = SweepConfig::from_file(config)?;
@@ -929,6 +952,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
                 missing.join(", ")
             )));
         }
+        record_summary(&dir)?;
         return Ok(out);
     }
     if let Some((i, n)) = opts.shard {
@@ -1036,11 +1060,15 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     // Every invocation on this folder (first run, resumes, shards) is kept;
     // the top-level command, revision and threads are the latest's.
     let revision = git_revision();
-    let mut invocations: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("run.json"))
+    let previous: Option<serde_json::Value> = std::fs::read_to_string(dir.join("run.json"))
         .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|t| serde_json::from_str(&t).ok());
+    let mut invocations: Vec<serde_json::Value> = previous
+        .as_ref()
         .and_then(|v| v["invocations"].as_array().cloned())
         .unwrap_or_default();
+    // Earlier `--merge`s of the folder stay recorded.
+    let summaries = previous.as_ref().and_then(|v| v.get("summaries").cloned());
     // How arms share question-and-decoding batches (float rounding differs
     // between the ways; rows are comparable within one).
     let batching = if opts.one_at_a_time {
@@ -1114,6 +1142,9 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "invocations": invocations,
     });
+    if let Some(list) = summaries {
+        meta["summaries"] = list;
+    }
     write_json_atomic(&dir.join("run.json"), &meta)?;
     records::write_rows(
         sample_rows(&cfg.run.name, &set),
