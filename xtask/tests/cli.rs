@@ -356,6 +356,35 @@ fn bad_sweep_configs_fail_before_any_work_naming_the_field() {
         e.contains("arms[0].inject[0].layers") && e.contains("layer 7"),
         "{e}"
     );
+    // A bridge with a progress interval the environment gives wrong is
+    // refused with the plan, naming the variable and its value, before
+    // any training example is computed or anything written.
+    let p = dir.path().join("bridge.toml");
+    std::fs::write(&p, format!("{head}[resources.qb]\nkind = \"bridge\"\ntargets = \"q\"\nrank = 2\ntrain_items = 2\nslice_items = 1\nepochs = 1\nlr = 0.01\ndata = \"synthetic\"\narm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}] }}\n[[arms]]\nname = \"b\"\nbridge = {{ resource = \"qb\" }}\ninject = {{ carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}\n")).unwrap();
+    let resources = dir.path().join("resources");
+    let o = xtask()
+        .args([
+            "sweep",
+            "--config",
+            p.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .args(["--resources", resources.to_str().unwrap()])
+        .env("TOLERABLE_PROGRESS_SECS", "soon")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        e.contains("TOLERABLE_PROGRESS_SECS") && e.contains("`soon`"),
+        "{e}"
+    );
+    assert!(
+        !resources.exists(),
+        "a refused bridge wrote {}",
+        resources.display()
+    );
     assert!(!out.exists(), "a failed config wrote {}", out.display());
 }
 
