@@ -18,7 +18,8 @@ combines the run with the runs of the same bridges at other seeds; the
 mean and sample SD are `tolerable-stats`'): the trained arm's mean ± SD
 with each seed's value, the same for its mis-source control and its
 answer-disjoint twin, and the zero-init gate's bit-exact count summed over
-seeds.
+seeds; `--conditional` adds to each cell the conditional accuracy's mean ±
+SD with each seed's value.
 
 A sender pool's untrained arm varies with the pool's N: `--raw` then names
 its family, read at each trained arm's point, and `--also` adds a control
@@ -102,7 +103,22 @@ def over_seeds(run, a, gate_rest):
         each = ", ".join(f"{x:.3f}" for x in r["accuracy"])
         if pd.isna(r["accuracy_sd"]):
             return f"{r['accuracy_mean']:.3f} (seed {int(r['seeds'][0])} only)", 1
-        return f"{r['accuracy_mean']:.3f} ± {r['accuracy_sd']:.3f} ({each})", int(r["n_seeds"])
+        t = f"{r['accuracy_mean']:.3f} ± {r['accuracy_sd']:.3f} ({each})"
+        if a.conditional:
+            t += "; " + conditional(r)
+        return t, int(r["n_seeds"])
+
+    def conditional(r):
+        """The conditional accuracy over the seeds (on the items the native
+        reference answers): mean ± SD (each seed's), from the columns a
+        report writes since 2026-12-07."""
+        if "cond_accuracy_sd" not in r.index:
+            sys.exit(f"{run}: seeds.parquet predates the conditional accuracy's spread; "
+                     f"run `cargo xtask report {run} --seeds ...` again")
+        if pd.isna(r["cond_accuracy_sd"]):
+            return "cond. –"
+        each = ", ".join(f"{x:.2f}" for x in r["cond_accuracy"])
+        return f"cond. {r['cond_accuracy_mean']:.2f} ± {r['cond_accuracy_sd']:.2f} ({each})"
 
     seeds = sorted({int(x) for v in s["seeds"] for x in v})
     print(f"\nOver seeds ({f}: mean ± SD across seeds; each seed's value, seeds in order "
@@ -138,6 +154,9 @@ def main():
                          "(a pool's masked-holder control); repeatable")
     ap.add_argument("--seeds", action="store_true",
                     help="also the table across seeds, from the run's seeds.parquet")
+    ap.add_argument("--conditional", action="store_true",
+                    help="with --seeds: each cell also gives the conditional accuracy "
+                         "(on the items native answers) as mean ± SD (each seed's)")
     a = ap.parse_args()
     s, source = load(a.run)
     s = annotate(s)

@@ -556,7 +556,7 @@ fn seeds_section(md: &mut String, rows: &[SeedRow], interim: bool) {
     }
     let _ = writeln!(
         md,
-        "| family | bridge | point | seeds | accuracy mean ± SD | each seed (n) | conditional mean | bit-exact |"
+        "| family | bridge | point | seeds | accuracy mean ± SD | each seed (n) | conditional mean ± SD (each seed) | bit-exact |"
     );
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
     for r in rows {
@@ -577,11 +577,28 @@ fn seeds_section(md: &mut String, rows: &[SeedRow], interim: bool) {
             r.accuracy_mean,
             opt(r.accuracy_sd, 3),
             each.join("; "),
-            opt(r.cond_accuracy_mean, 3),
+            conditional_over_seeds(r),
             r.bit_exact_items
                 .map(|k| format!("{k}/{}", r.n_items_total))
                 .unwrap_or_else(|| "–".into())
         );
+    }
+}
+
+/// A trained arm's conditional accuracy over its seeds: mean ± SD (each
+/// seed's), or a dash where a seed has none.
+fn conditional_over_seeds(r: &SeedRow) -> String {
+    match r.cond_accuracy_mean {
+        None => "–".into(),
+        Some(m) if r.cond_accuracy.len() < 2 => format!("{m:.3}"),
+        Some(m) => {
+            let each: Vec<String> = r.cond_accuracy.iter().map(|c| format!("{c:.3}")).collect();
+            format!(
+                "{m:.3} ± {} ({})",
+                opt(r.cond_accuracy_sd, 3),
+                each.join(", ")
+            )
+        }
     }
 }
 

@@ -2132,6 +2132,18 @@ fn a_trained_arm_combines_across_seed_runs() {
         assert_eq!(r.accuracy, vec![x, y]);
         assert!((r.accuracy_mean - (x + y) / 2.0).abs() < 1e-12);
         assert!((r.accuracy_sd.unwrap() - (x - y).abs() / 2f64.sqrt()).abs() < 1e-12);
+        // Conditional accuracies only where every seed has one (the native
+        // reference answered an item); checked with values below.
+        let cond = |rows: &[SummaryRow]| {
+            rows.iter()
+                .find(|q| q.arm.arm == r.family)
+                .unwrap()
+                .cond_accuracy
+        };
+        if cond(&sa).is_none() || cond(&sb).is_none() {
+            assert!(r.cond_accuracy.is_empty());
+            assert_eq!((r.cond_accuracy_mean, r.cond_accuracy_sd), (None, None));
+        }
         assert_eq!(r.run_dirs[1], b.display().to_string());
         assert!(
             !r.batching[0].contains("bridges batched"),
@@ -2147,6 +2159,46 @@ fn a_trained_arm_combines_across_seed_runs() {
     assert!(md.contains("batched their arms in different ways"), "{md}");
     assert_eq!(combined[1].bit_exact_items, Some(6));
     assert_eq!(combined[0].bit_exact_items, None);
+    // Each seed's conditional accuracy, their mean and SD, when every seed
+    // has one (the tiny model's native reference answers too little to
+    // have them, so the summaries are given them).
+    {
+        use tolerable_driver::records::seeds::{seed_rows, SeedRun};
+        let given = |rows: &[SummaryRow], c: Option<f64>| -> Vec<SummaryRow> {
+            rows.iter()
+                .cloned()
+                .map(|mut q| {
+                    q.cond_accuracy = c;
+                    q
+                })
+                .collect()
+        };
+        let (ma, mb) = (run_json(&a), run_json(&b));
+        let (ra, rb) = (given(&sa, Some(0.25)), given(&sb, Some(0.5)));
+        fn run<'a>(
+            dir: &'a Path,
+            meta: &'a serde_json::Value,
+            rows: &'a [SummaryRow],
+        ) -> SeedRun<'a> {
+            SeedRun {
+                dir: dir.to_str().unwrap(),
+                meta,
+                rows,
+            }
+        }
+        let both = seed_rows(&[run(&a, &ma, &ra), run(&b, &mb, &rb)]).unwrap();
+        for r in &both {
+            assert_eq!(r.cond_accuracy, vec![0.25, 0.5]);
+            assert_eq!(r.cond_accuracy_mean, Some(0.375));
+            assert!((r.cond_accuracy_sd.unwrap() - 0.25 / 2f64.sqrt()).abs() < 1e-12);
+        }
+        // One seed without it: none of the three.
+        let rb = given(&sb, None);
+        for r in seed_rows(&[run(&a, &ma, &ra), run(&b, &mb, &rb)]).unwrap() {
+            assert!(r.cond_accuracy.is_empty());
+            assert_eq!((r.cond_accuracy_mean, r.cond_accuracy_sd), (None, None));
+        }
+    }
     // An independent reader sees the lists.
     let (names, prow) = rows(&a.join("seeds.parquet"));
     assert_eq!(col(&names, &prow, "seeds")[0], "[0, 1]");

@@ -49,6 +49,10 @@ record! {
         pub accuracy_sd: Option<f64>,
         /// Mean of the seeds' conditional accuracies, where every seed has one.
         pub cond_accuracy_mean: Option<f64>,
+        /// Conditional accuracy (on the items the native reference answers) at each seed; empty unless every seed has one.
+        pub cond_accuracy: Vec<f64>,
+        /// Their sample standard deviation (divisor seeds − 1), where every seed has one; null for one seed.
+        pub cond_accuracy_sd: Option<f64>,
         /// Items passing the arm's bit-exact gate, summed over seeds, where every seed has the gate.
         pub bit_exact_items: Option<i64>,
         /// Items scored, summed over seeds.
@@ -238,6 +242,7 @@ pub fn seed_rows(runs: &[SeedRun]) -> Result<Vec<SeedRow>> {
         let acc: Vec<f64> = g.iter().map(|s| s.row.accuracy).collect();
         let s = spread(&acc)?;
         let cond: Option<Vec<f64>> = g.iter().map(|s| s.row.cond_accuracy).collect();
+        let cond_spread = cond.as_deref().map(spread).transpose()?;
         let gate: Option<Vec<i64>> = g.iter().map(|s| s.row.bit_exact_items).collect();
         let (family, bridge, point) = key;
         out.push(SeedRow {
@@ -254,10 +259,9 @@ pub fn seed_rows(runs: &[SeedRun]) -> Result<Vec<SeedRow>> {
             accuracy: acc,
             accuracy_mean: s.mean,
             accuracy_sd: s.sd,
-            cond_accuracy_mean: match cond {
-                Some(c) => Some(spread(&c)?.mean),
-                None => None,
-            },
+            cond_accuracy_mean: cond_spread.as_ref().map(|c| c.mean),
+            cond_accuracy_sd: cond_spread.and_then(|c| c.sd),
+            cond_accuracy: cond.unwrap_or_default(),
             bit_exact_items: gate.map(|v| v.iter().sum()),
             n_items_total: g.iter().map(|s| s.row.n_items).sum(),
         });
