@@ -253,6 +253,8 @@ fn main() -> Result<()> {
             let text = serde_json::to_string_pretty(&serde_json::json!({
                 "a": a.display().to_string(),
                 "b": b.display().to_string(),
+                "subset": subset,
+                "a_within_b": c.a_within_b(),
                 "comparison": c,
             }))?;
             println!("{text}");

@@ -1,7 +1,8 @@
 //! Comparing the item rows of two runs of the same arms and items (a rerun
-//! at a new revision against a committed run, possibly of an older schema):
-//! every (arm, item) row is matched and its outcome columns compared value
-//! for value. Wall-clock seconds are not compared.
+//! at a new revision against a committed run, possibly of an older schema),
+//! or of a run that repeats part of another (some of its arms and items
+//! under another setting): every (arm, item) row is matched and its outcome
+//! columns compared value for value. Wall-clock seconds are not compared.
 
 use super::cell_files;
 use super::read_parquet;
@@ -110,12 +111,18 @@ fn load(dir: &Path) -> Result<(usize, Keyed)> {
                 arm[i].clone().unwrap_or_default(),
                 item[i].clone().unwrap_or_default(),
             );
-            out.insert(
-                key,
-                cols.iter()
-                    .map(|(c, v)| (c.clone(), v[i].clone()))
-                    .collect(),
-            );
+            let values = cols
+                .iter()
+                .map(|(c, v)| (c.clone(), v[i].clone()))
+                .collect();
+            if out.insert(key.clone(), values).is_some() {
+                return Err(DriverError::Records(format!(
+                    "{}: arm `{}` on item `{}` has two rows (a run holds one per arm and item)",
+                    f.display(),
+                    key.0,
+                    key.1
+                )));
+            }
         }
     }
     if n == 0 {
@@ -233,5 +240,14 @@ mod tests {
         // A run compared with itself is identical (wall-clock seconds aside).
         let c = compare_runs(whole.path(), whole.path()).unwrap();
         assert!(c.identical && c.a_within_b());
+        // Two rows of one arm and item are refused, not counted as unmatched.
+        let twice = run(&[
+            ("floor", "q1", "Paris", true),
+            ("floor", "q1", "Paris", true),
+        ]);
+        let e = compare_runs(twice.path(), whole.path())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("arm `floor` on item `q1` has two rows"), "{e}");
     }
 }
