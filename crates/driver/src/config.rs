@@ -60,6 +60,14 @@ pub struct RunSection {
     /// config's hash.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub batch_bridges: bool,
+    /// Every arm reads its question and decodes alone (batch 1), never in
+    /// one batch with another arm of its item: slower, the reference the
+    /// batched ways round against, and the way every single-row product
+    /// reaches the one-row kernel (`row_kernel`); off by default, and when
+    /// on part of the config's hash. Not with `item_batch` above 1 or
+    /// `batch_bridges`, which batch what it keeps apart.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub one_at_a_time: bool,
 }
 
 pub(crate) fn one() -> usize {
@@ -225,6 +233,11 @@ impl SweepConfig {
         }
         if run.item_batch == 0 {
             return Err(cfg_err("[run]: `item_batch` must be at least 1"));
+        }
+        if run.one_at_a_time && (run.item_batch > 1 || run.batch_bridges) {
+            return Err(cfg_err(
+                "[run]: `one_at_a_time` decodes every arm alone; it cannot go with `item_batch` above 1 or `batch_bridges`, which batch arms together",
+            ));
         }
         if run.new_tokens == 0 {
             return Err(cfg_err("[run]: `new_tokens` must be at least 1"));

@@ -1071,7 +1071,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
     let summaries = previous.as_ref().and_then(|v| v.get("summaries").cloned());
     // How arms share question-and-decoding batches (float rounding differs
     // between the ways; rows are comparable within one).
-    let batching = if opts.one_at_a_time {
+    let batching = if opts.one_at_a_time || cfg.run.one_at_a_time {
         Batching::OneAtATime
     } else if cfg.run.item_batch > 1 {
         Batching::Padded

@@ -630,6 +630,20 @@ base = "full"
         .unwrap_err()
         .to_string();
     assert!(e.contains("`item_batch` must be at least 1"), "{e}");
+    // Each arm alone: off hashes as before the option, on is another
+    // config, and it is refused beside the settings that batch arms.
+    let alone = SweepConfig::parse(&with("one_at_a_time = true")).unwrap();
+    assert!(alone.run.one_at_a_time && !off.run.one_at_a_time);
+    assert!(!serde_json::to_string(&off.run)
+        .unwrap()
+        .contains("one_at_a_time"));
+    assert_ne!(off.hash(), alone.hash());
+    for other in ["item_batch = 2", "batch_bridges = true"] {
+        let e = SweepConfig::parse(&with(&format!("one_at_a_time = true\n{other}")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`one_at_a_time` decodes every arm alone"), "{e}");
+    }
     // A wrongly typed field is named in any table.
     let e = SweepConfig::parse(&base.replace("n = 2", "n = \"two\""))
         .unwrap_err()
