@@ -34,7 +34,7 @@ A trained router's rows, over its seeds:
 
     cargo xtask report results/router-0.5b --seeds results/router-0.5b-seeds
     python3 scripts/readme/trained_table.py results/router-0.5b \
-        --trained routed --mis-source routed_mismatch --raw pool_uniform [--seeds]
+        --trained routed --mis-source routed_mismatch --raw pool_uniform [--seeds [--conditional]]
 """
 import argparse
 import json
@@ -158,6 +158,8 @@ def main():
                     help="with --seeds: each cell also gives the conditional accuracy "
                          "(on the items native answers) as mean ± SD (each seed's)")
     a = ap.parse_args()
+    if a.conditional and not a.seeds:
+        ap.error("--conditional gives the table across seeds more: use it with --seeds")
     s, source = load(a.run)
     s = annotate(s)
     by_name = s.set_index("arm")

@@ -529,7 +529,7 @@ pub fn pairs_table(rows: &[PairRow]) -> String {
 fn seeds_section(md: &mut String, rows: &[SeedRow], interim: bool) {
     let _ = writeln!(
         md,
-        "\n## Across seeds\n\nEach trained arm over the seeds its bridge was trained from, in this run and the runs combined with it (`{}`): the mean and sample SD of the seeds' accuracies, each seed's accuracy, and the bit-exact gate summed over seeds.\n",
+        "\n## Across seeds\n\nEach trained arm over the seeds its bridge was trained from, in this run and the runs combined with it (`{}`): the mean and sample SD of the seeds' accuracies, each seed's accuracy, the conditional accuracy (on the items the native reference answers) as mean ± SD with each seed's, where every seed has one, and the bit-exact gate summed over seeds.\n",
         derived_name("seeds", interim)
     );
     if interim {
@@ -1136,6 +1136,50 @@ fn draw(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A seeds row whose conditional accuracies are `cond` (none: a seed
+    /// without one).
+    fn seed_row(cond: Option<Vec<f64>>) -> SeedRow {
+        let (mean, sd) = match &cond {
+            Some(c) => {
+                let s = tolerable_stats::spread(c).unwrap();
+                (Some(s.mean), s.sd)
+            }
+            None => (None, None),
+        };
+        SeedRow {
+            family: "bridged".into(),
+            bridge: "lora_q".into(),
+            point: "{}".into(),
+            n_seeds: 2,
+            seeds: vec![0, 1],
+            runs: vec!["a".into(), "b".into()],
+            run_dirs: vec!["a".into(), "b".into()],
+            arms: vec!["bridged".into(), "bridged".into()],
+            batching: vec![String::new(), String::new()],
+            n_items: vec![10, 10],
+            accuracy: vec![0.5, 0.6],
+            accuracy_mean: 0.55,
+            accuracy_sd: Some(0.0707),
+            cond_accuracy_mean: mean,
+            cond_accuracy: cond.unwrap_or_default(),
+            cond_accuracy_sd: sd,
+            bit_exact_items: None,
+            n_items_total: 20,
+        }
+    }
+
+    #[test]
+    fn a_conditional_accuracy_over_seeds_reads_mean_sd_and_each_seed() {
+        assert_eq!(
+            conditional_over_seeds(&seed_row(Some(vec![0.25, 0.5]))),
+            "0.375 ± 0.177 (0.250, 0.500)"
+        );
+        // One seed: its value, no spread.
+        assert_eq!(conditional_over_seeds(&seed_row(Some(vec![0.25]))), "0.250");
+        // A seed without one: nothing.
+        assert_eq!(conditional_over_seeds(&seed_row(None)), "–");
+    }
 
     #[test]
     fn finished_cells_read_as_ranges() {

@@ -617,6 +617,38 @@ fn batching_arms_does_not_change_continuations() {
     );
     assert_eq!(run_json(&batched)["batching"], "per item, by cache layout");
     assert_eq!(run_json(&single)["batching"], "one arm at a time");
+    // The config's own setting does what the option does: every arm of
+    // every item decoded as a batch of its own, the same rows as `single`,
+    // under another config hash.
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("cell_items = 3", "cell_items = 3\none_at_a_time = true");
+    let alone_cfg = dir.path().join("alone.toml");
+    std::fs::write(&alone_cfg, text).unwrap();
+    let alone = dir.path().join("alone");
+    sweep::run(
+        &alone_cfg,
+        &SweepOptions {
+            out: Some(alone.clone()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let m = run_json(&alone);
+    assert_eq!(m["batching"], "one arm at a time");
+    let arms = col(&n2, &r2, "arm").len() as u64;
+    assert_eq!(m["invocations"][0]["decode_batches"].as_u64(), Some(arms));
+    assert!(
+        run_json(&batched)["invocations"][0]["decode_batches"]
+            .as_u64()
+            .unwrap()
+            < arms
+    );
+    let (n4, r4) = rows(&alone.join("items/cell-00000.parquet"));
+    for c in ["arm", "continuation_ids", "correct", "bit_exact"] {
+        assert_eq!(col(&n2, &r2, c), col(&n4, &r4, c), "{c}");
+    }
+    assert_ne!(run_json(&single)["config_hash"], m["config_hash"]);
 }
 
 #[test]

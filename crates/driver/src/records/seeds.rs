@@ -91,11 +91,12 @@ pub fn bridge_family(resource: &str) -> String {
 
 /// Run settings that do not shape an answer: the name, the cell size, and
 /// the ways of batching (float rounding only; recorded per seed instead).
-const NOT_COMPARED: [&str; 5] = [
+const NOT_COMPARED: [&str; 6] = [
     "name",
     "cell_items",
     "batch_bridges",
     "item_batch",
+    "one_at_a_time",
     "row_kernel",
 ];
 
