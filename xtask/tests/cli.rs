@@ -309,10 +309,64 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
         .iter()
         .all(|i| !i["command"].as_str().unwrap().contains("--merge")));
     // A later run on the folder keeps the record of the merge.
+    let before = meta["invocations"].as_array().unwrap().len();
     sweep_with(&sharded, &[]);
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(sharded.join("run.json")).unwrap()).unwrap();
+    assert_eq!(meta["invocations"].as_array().unwrap().len(), before + 1);
     assert_eq!(meta["summaries"].as_array().map(Vec::len), Some(1));
+
+    // A run of one of the whole run's arms (with the anchors every run
+    // has) on the same items is a part of it: `compare --subset` passes,
+    // and says so in its JSON; the whole is not a part of it, and without
+    // --subset the two runs differ.
+    let part_cfg = dir.path().join("part.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let arms_at = text.find("[[arms]]").unwrap();
+    std::fs::write(
+        &part_cfg,
+        format!(
+            "{}[[arms]]\nname = \"kv_augment\"\ninject = {{ carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}\n",
+            &text[..arms_at]
+        ),
+    )
+    .unwrap();
+    let part = dir.path().join("part");
+    let o = xtask()
+        .args(["sweep", "--config", part_cfg.to_str().unwrap()])
+        .args(["--out", part.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let compare = |a: &std::path::Path, b: &std::path::Path, extra: &[&str]| {
+        let json = dir.path().join("compare.json");
+        let o = xtask()
+            .args(["compare", a.to_str().unwrap(), b.to_str().unwrap()])
+            .args(["--out", json.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+            v,
+        )
+    };
+    let (ok, e, v) = compare(&part, &whole, &["--subset"]);
+    assert!(ok, "{e}");
+    assert_eq!(
+        (v["subset"].as_bool(), v["a_within_b"].as_bool()),
+        (Some(true), Some(true))
+    );
+    assert_eq!(v["comparison"]["only_a"], 0);
+    assert!(v["comparison"]["only_b"].as_u64().unwrap() > 0);
+    let (ok, e, v) = compare(&whole, &part, &["--subset"]);
+    assert!(!ok && e.contains("is not a part of"), "{e}");
+    assert_eq!(v["a_within_b"].as_bool(), Some(false));
+    let (ok, e, _) = compare(&part, &whole, &[]);
+    assert!(!ok && e.contains("the runs differ"), "{e}");
 }
 
 #[test]
