@@ -317,7 +317,11 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
     assert_eq!(meta["summaries"].as_array().map(Vec::len), Some(1));
 
     // A run of one of the whole run's arms (with the anchors every run
-    // has) on the same items is a part of it: `compare --subset` passes,
+    // has) on the same items is a part of it: `compare --subset` passes
+    // (its floor and native share a decoding batch where the whole run's,
+    // anchors of gated arms, decode alone: equal continuations across the
+    // two ways of batching, which the tiny model gives and the batching
+    // test checks on its own),
     // and says so in its JSON; the whole is not a part of it, and without
     // --subset the two runs differ.
     let part_cfg = dir.path().join("part.toml");
@@ -467,6 +471,7 @@ fn a_dry_run_prints_the_plan_and_writes_nothing_and_merge_refuses_an_unfinished_
         "h at layers [1], fact_region <- holder -> replace",
         "identity: base masked, expect Native",
         "estimate:",
+        "decoded tokens (each item's arms batched by cache layout)",
     ] {
         assert!(plan.contains(want), "{want} missing from:\n{plan}");
     }
