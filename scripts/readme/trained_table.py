@@ -159,7 +159,7 @@ def main():
                          "(on the items native answers) as mean ± SD (each seed's)")
     a = ap.parse_args()
     if a.conditional and not a.seeds:
-        ap.error("--conditional gives the table across seeds more: use it with --seeds")
+        ap.error("--conditional needs --seeds")
     s, source = load(a.run)
     s = annotate(s)
     by_name = s.set_index("arm")

@@ -62,10 +62,12 @@ pub struct RunSection {
     pub batch_bridges: bool,
     /// Every arm reads its question and decodes alone (batch 1), never in
     /// one batch with another arm of its item: slower, the reference the
-    /// batched ways round against, and the way every single-row product
-    /// reaches the one-row kernel (`row_kernel`); off by default, and when
-    /// on part of the config's hash. Not with `item_batch` above 1 or
-    /// `batch_bridges`, which batch what it keeps apart.
+    /// batched ways round against, and the way every decoding step is a
+    /// single-row product, which the one-row kernel (`row_kernel`) takes
+    /// (arms sharing a batch multiply several rows, which it leaves to
+    /// gemm); off by default, and when on part of the config's hash. Not
+    /// with `item_batch` above 1 or `batch_bridges`, which batch what it
+    /// keeps apart.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub one_at_a_time: bool,
 }
