@@ -217,13 +217,13 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
     let (dir, model) = tiny_model();
     let n = 16;
     let cfg = sweep_config(dir.path(), &model, n);
-    // A sweep of `cfg` into `out` with extra flags, which must succeed.
-    let sweep_with = |out: &std::path::Path, extra: &[&str]| {
+    // A sweep of `config` into `out` with extra flags, which must succeed.
+    let sweep_of = |config: &std::path::Path, out: &std::path::Path, extra: &[&str]| {
         let o = xtask()
             .args([
                 "sweep",
                 "--config",
-                cfg.to_str().unwrap(),
+                config.to_str().unwrap(),
                 "--out",
                 out.to_str().unwrap(),
             ])
@@ -232,6 +232,7 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     };
+    let sweep_with = |out: &std::path::Path, extra: &[&str]| sweep_of(&cfg, out, extra);
     let sweep = |out: &std::path::Path| sweep_with(out, &[]);
     let whole = dir.path().join("whole");
     sweep(&whole);
@@ -336,12 +337,7 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
     )
     .unwrap();
     let part = dir.path().join("part");
-    let o = xtask()
-        .args(["sweep", "--config", part_cfg.to_str().unwrap()])
-        .args(["--out", part.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    sweep_of(&part_cfg, &part, &[]);
     let compare = |a: &std::path::Path, b: &std::path::Path, extra: &[&str]| {
         let json = dir.path().join("compare.json");
         let o = xtask()
@@ -377,7 +373,9 @@ fn a_sweep_killed_mid_run_resumes_to_the_same_parquet() {
 fn bad_sweep_configs_fail_before_any_work_naming_the_field() {
     let (dir, model) = tiny_model();
     let out = dir.path().join("out");
-    let run = |text: &str| {
+    // A sweep of config `text` with extra flags and environment, which must
+    // fail: what it says.
+    let refused = |text: &str, extra: &[&str], env: &[(&str, &str)]| {
         let p = dir.path().join("bad.toml");
         std::fs::write(&p, text).unwrap();
         let o = xtask()
@@ -388,11 +386,14 @@ fn bad_sweep_configs_fail_before_any_work_naming_the_field() {
                 "--out",
                 out.to_str().unwrap(),
             ])
+            .args(extra)
+            .envs(env.iter().copied())
             .output()
             .unwrap();
         assert!(!o.status.success());
         String::from_utf8_lossy(&o.stderr).to_string()
     };
+    let run = |text: &str| refused(text, &[], &[]);
     let head = format!(
         "[run]\nname = \"bad\"\nmodel = \"{}\"\n[data]\nsource = \"synthetic\"\nn = 2\n",
         model.display()
@@ -417,23 +418,12 @@ fn bad_sweep_configs_fail_before_any_work_naming_the_field() {
     // A bridge with a progress interval the environment gives wrong is
     // refused with the plan, naming the variable and its value, before
     // any training example is computed or anything written.
-    let p = dir.path().join("bridge.toml");
-    std::fs::write(&p, format!("{head}[resources.qb]\nkind = \"bridge\"\ntargets = \"q\"\nrank = 2\ntrain_items = 2\nslice_items = 1\nepochs = 1\nlr = 0.01\ndata = \"synthetic\"\narm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}] }}\n[[arms]]\nname = \"b\"\nbridge = {{ resource = \"qb\" }}\ninject = {{ carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}\n")).unwrap();
     let resources = dir.path().join("resources");
-    let o = xtask()
-        .args([
-            "sweep",
-            "--config",
-            p.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ])
-        .args(["--resources", resources.to_str().unwrap()])
-        .env("TOLERABLE_PROGRESS_SECS", "soon")
-        .output()
-        .unwrap();
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success());
+    let e = refused(
+        &format!("{head}[resources.qb]\nkind = \"bridge\"\ntargets = \"q\"\nrank = 2\ntrain_items = 2\nslice_items = 1\nepochs = 1\nlr = 0.01\ndata = \"synthetic\"\narm = {{ inject = [{{ carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}] }}\n[[arms]]\nname = \"b\"\nbridge = {{ resource = \"qb\" }}\ninject = {{ carrier = \"kv\", positions = \"passage\", source = \"holder\", mechanism = \"append\" }}\n"),
+        &["--resources", resources.to_str().unwrap()],
+        &[("TOLERABLE_PROGRESS_SECS", "soon")],
+    );
     assert!(
         e.contains("TOLERABLE_PROGRESS_SECS") && e.contains("`soon`"),
         "{e}"
@@ -471,7 +461,7 @@ fn a_dry_run_prints_the_plan_and_writes_nothing_and_merge_refuses_an_unfinished_
         "h at layers [1], fact_region <- holder -> replace",
         "identity: base masked, expect Native",
         "estimate:",
-        "decoded tokens (each item's arms batched by cache layout)",
+        "decoded tokens (per item, by cache layout)",
     ] {
         assert!(plan.contains(want), "{want} missing from:\n{plan}");
     }

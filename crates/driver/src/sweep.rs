@@ -169,22 +169,37 @@ fn record_time(meta: &mut serde_json::Value, dir: &Path, fields: serde_json::Val
     write_json_atomic(&dir.join("run.json"), meta)
 }
 
-/// Adds this `--merge` to run.json's `summaries`: the command and the
-/// revision of the binary that wrote summary.parquet again from the cells
-/// (the cells' own invocations stay as they were).
+/// How a run's arms share question-and-decoding batches, and how run.json
+/// (`batching`) and the dry run name it: float rounding differs between the
+/// ways, so rows are comparable within one.
+fn batching(cfg: &SweepConfig, opts: &SweepOptions) -> (Batching, String) {
+    let way = if opts.one_at_a_time || cfg.run.one_at_a_time {
+        Batching::OneAtATime
+    } else if cfg.run.item_batch > 1 {
+        Batching::Padded
+    } else {
+        Batching::Batched
+    };
+    let mut text = match way {
+        Batching::Padded => format!("padded, {} items a batch", cfg.run.item_batch),
+        Batching::Batched => "per item, by cache layout".to_string(),
+        Batching::OneAtATime => "one arm at a time".to_string(),
+    };
+    if cfg.run.batch_bridges && way != Batching::OneAtATime {
+        text.push_str("; bridges batched, each sequence with its own adapters");
+    }
+    (way, text)
+}
+
+/// Adds this `--merge` to run.json's `summaries`: the command, the
+/// revisions and the time of the binary that wrote summary.parquet again
+/// from the cells (the cells' own invocations stay as they were).
 fn record_summary(dir: &Path) -> Result<()> {
     let path = dir.join("run.json");
     let text = std::fs::read_to_string(&path).map_err(io(format!("reading {}", path.display())))?;
     let mut meta: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| DriverError::Records(format!("{}: {e}", path.display())))?;
-    let entry = serde_json::json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "build_revision": crate::measure::build_revision(),
-        "unix_time": std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-    });
+    let entry = crate::measure::stamp();
     match meta["summaries"].as_array_mut() {
         Some(list) => list.push(entry),
         None => meta["summaries"] = serde_json::json!([entry]),
@@ -645,17 +660,11 @@ pub(crate) fn resources_meta(
 
 /// Whether a resource's recorded summary disagrees with a new one: every
 /// field the record holds, at any depth, must be equal (a summary may gain
-/// fields later); no record, no disagreement. The new summary is compared
-/// as it would read back from `run.json` (written and parsed as JSON, as
-/// the record was; with serde_json's `float_roundtrip` every number
-/// survives that exactly, and a record written before it was read the same
-/// way).
+/// fields later); no record, no disagreement. Every number reads back from
+/// `run.json` as it was written (serde_json's `float_roundtrip`), so the
+/// record and the new summary compare as they are.
 fn summary_differs(was: &serde_json::Value, is: &serde_json::Value) -> bool {
-    let is = serde_json::to_string(is)
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .unwrap_or_else(|| is.clone());
-    !covered(was, &is)
+    !covered(was, is)
 }
 
 /// Whether `is` holds every field of `was` with the same value (objects by
@@ -865,15 +874,10 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
     let decode_rate = DECODED_TOKENS_PER_S_05B * scale;
     // The rates were fitted to sweeps batching each item's arms by cache
     // layout; decoding arms one at a time is slower than they say.
-    let batching = if cfg.run.one_at_a_time {
-        "one arm at a time: slower than the rate below, fitted to batched sweeps"
-    } else if cfg.run.item_batch > 1 {
-        "items padded into batches"
-    } else if cfg.run.batch_bridges {
-        "each item's arms batched by cache layout, bridges batched"
-    } else {
-        "each item's arms batched by cache layout"
-    };
+    let (way, mut batching) = batching(&cfg, opts);
+    if way == Batching::OneAtATime {
+        batching.push_str(": slower than the rate below, fitted to batched sweeps");
+    }
     let secs = (pass_tokens + question_tokens + restart_tokens) as f64 / rate
         + decode_tokens as f64 / decode_rate;
     let res_tokens: usize = plan
@@ -1084,23 +1088,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         .unwrap_or_default();
     // Earlier `--merge`s of the folder stay recorded.
     let summaries = previous.as_ref().and_then(|v| v.get("summaries").cloned());
-    // How arms share question-and-decoding batches (float rounding differs
-    // between the ways; rows are comparable within one).
-    let batching = if opts.one_at_a_time || cfg.run.one_at_a_time {
-        Batching::OneAtATime
-    } else if cfg.run.item_batch > 1 {
-        Batching::Padded
-    } else {
-        Batching::Batched
-    };
-    let mut batching_text = match batching {
-        Batching::Padded => format!("padded, {} items a batch", cfg.run.item_batch),
-        Batching::Batched => "per item, by cache layout".to_string(),
-        Batching::OneAtATime => "one arm at a time".to_string(),
-    };
-    if cfg.run.batch_bridges && batching != Batching::OneAtATime {
-        batching_text.push_str("; bridges batched, each sequence with its own adapters");
-    }
+    let (batching, batching_text) = batching(&cfg, opts);
     invocations.push(crate::measure::invocation(
         &tolerable_runtime::matmul_backend(cfg.run.row_kernel),
         serde_json::json!({

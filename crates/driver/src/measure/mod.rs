@@ -514,23 +514,34 @@ pub fn build_revision() -> &'static str {
 /// (see [`tolerable_runtime::matmul_backend`]), and `extra`'s fields (a
 /// sweep's shard).
 pub fn invocation(backend: &str, extra: serde_json::Value) -> serde_json::Value {
-    let mut v = serde_json::json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "git_revision": crate::sweep::git_revision(),
-        "build_revision": build_revision(),
+    let mut v = stamp();
+    let computed = serde_json::json!({
         "gates_passed": true,
         "threads": candle_core::utils::get_num_threads(),
         "matmul_backend": backend,
         "machine": tolerable_runtime::machine(),
+    });
+    for more in [computed, extra] {
+        if let (Some(o), serde_json::Value::Object(e)) = (v.as_object_mut(), more) {
+            o.extend(e);
+        }
+    }
+    v
+}
+
+/// What any record of a command on a run folder holds (an invocation's,
+/// a `--merge`'s): its command line, the working tree's and the binary's
+/// revisions, and the time (seconds since the Unix epoch).
+pub fn stamp() -> serde_json::Value {
+    serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "git_revision": crate::sweep::git_revision(),
+        "build_revision": build_revision(),
         "unix_time": std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-    });
-    if let (Some(o), serde_json::Value::Object(e)) = (v.as_object_mut(), extra) {
-        o.extend(e);
-    }
-    v
+    })
 }
 
 /// Writes measurement rows atomically (zstd Parquet, see
