@@ -574,23 +574,29 @@ fn batching_arms_does_not_change_continuations() {
         col(&n2, &r2, "continuation_ids")
     );
     assert_eq!(col(&n1, &r1, "correct"), col(&n2, &r2, "correct"));
+    // The same sweep with one more `[run]` setting, as config `name`, into
+    // folder `name`.
+    let with_setting = |setting: &str, name: &str| -> PathBuf {
+        let text = std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("cell_items = 3", &format!("cell_items = 3\n{setting}"));
+        let path = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let out = dir.path().join(name);
+        sweep::run(
+            &path,
+            &SweepOptions {
+                out: Some(out.clone()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        out
+    };
     // Every arm of the three items as one padded batch: another config (its
     // own hash), the same continuations on this tiny model, and the
     // identity and no-op arms still equal their anchors bit for bit.
-    let text = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("cell_items = 3", "cell_items = 3\nitem_batch = 3");
-    let padded_cfg = dir.path().join("padded.toml");
-    std::fs::write(&padded_cfg, text).unwrap();
-    let padded = dir.path().join("padded");
-    sweep::run(
-        &padded_cfg,
-        &SweepOptions {
-            out: Some(padded.clone()),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let padded = with_setting("item_batch = 3", "padded");
     let (n3, r3) = rows(&padded.join("items/cell-00000.parquet"));
     assert_eq!(col(&n1, &r1, "arm"), col(&n3, &r3, "arm"));
     assert_eq!(
@@ -620,20 +626,7 @@ fn batching_arms_does_not_change_continuations() {
     // The config's own setting does what the option does: every arm of
     // every item decoded as a batch of its own, the same rows as `single`,
     // under another config hash.
-    let text = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("cell_items = 3", "cell_items = 3\none_at_a_time = true");
-    let alone_cfg = dir.path().join("alone.toml");
-    std::fs::write(&alone_cfg, text).unwrap();
-    let alone = dir.path().join("alone");
-    sweep::run(
-        &alone_cfg,
-        &SweepOptions {
-            out: Some(alone.clone()),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let alone = with_setting("one_at_a_time = true", "alone");
     let m = run_json(&alone);
     assert_eq!(m["batching"], "one arm at a time");
     let arms = col(&n2, &r2, "arm").len() as u64;
