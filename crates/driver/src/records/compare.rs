@@ -38,7 +38,8 @@ pub struct Comparison {
     pub rows_b: usize,
     /// (arm, item) rows found in both.
     pub matched: usize,
-    /// Rows of one run without a partner in the other.
+    /// Rows of one run without a partner in the other (`only_a + only_b`,
+    /// kept for the readers of comparisons written before those two).
     pub unmatched: usize,
     /// Rows of the first run without a partner in the second.
     pub only_a: usize,
