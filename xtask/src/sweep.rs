@@ -94,7 +94,6 @@ pub fn run(a: SweepArgs) -> Result<()> {
         data: a.data.iter().cloned().collect::<BTreeMap<_, _>>(),
         n: a.n,
         merge_only: a.merge,
-        one_at_a_time: false,
         resource_root: a.resources.clone(),
     };
     if !a.config.exists() {

@@ -53,11 +53,6 @@ pub struct SweepOptions {
     pub n: Option<usize>,
     /// Only merge finished cells into the summary (no model, no gates).
     pub merge_only: bool,
-    /// Every arm decodes alone, as `[run] one_at_a_time` does, but outside
-    /// the config's hash and unchecked against `item_batch` and
-    /// `batch_bridges`: for tests and benches that measure the batched
-    /// ways against it (the command line sets the config instead).
-    pub one_at_a_time: bool,
     /// Where resources are cached (default [`Store::default_root`]).
     pub resource_root: Option<PathBuf>,
 }
@@ -172,8 +167,8 @@ fn record_time(meta: &mut serde_json::Value, dir: &Path, fields: serde_json::Val
 /// How a run's arms share question-and-decoding batches, and how run.json
 /// (`batching`) and the dry run name it: float rounding differs between the
 /// ways, so rows are comparable within one.
-fn batching(cfg: &SweepConfig, opts: &SweepOptions) -> (Batching, String) {
-    let way = if opts.one_at_a_time || cfg.run.one_at_a_time {
+fn batching(cfg: &SweepConfig) -> (Batching, String) {
+    let way = if cfg.run.one_at_a_time {
         Batching::OneAtATime
     } else if cfg.run.item_batch > 1 {
         Batching::Padded
@@ -874,7 +869,7 @@ pub fn dry_run(config_path: &Path, opts: &SweepOptions) -> Result<String> {
     let decode_rate = DECODED_TOKENS_PER_S_05B * scale;
     // The rates were fitted to sweeps batching each item's arms by cache
     // layout; decoding arms one at a time is slower than they say.
-    let (way, mut batching) = batching(&cfg, opts);
+    let (way, mut batching) = batching(&cfg);
     if way == Batching::OneAtATime {
         batching.push_str(": slower than the rate below, fitted to batched sweeps");
     }
@@ -1088,7 +1083,7 @@ pub fn run(config_path: &Path, opts: &SweepOptions) -> Result<SweepOutcome> {
         .unwrap_or_default();
     // Earlier `--merge`s of the folder stay recorded.
     let summaries = previous.as_ref().and_then(|v| v.get("summaries").cloned());
-    let (batching, batching_text) = batching(&cfg, opts);
+    let (batching, batching_text) = batching(&cfg);
     invocations.push(crate::measure::invocation(
         &tolerable_runtime::matmul_backend(cfg.run.row_kernel),
         serde_json::json!({
