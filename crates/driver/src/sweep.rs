@@ -191,9 +191,7 @@ fn batching(cfg: &SweepConfig) -> (Batching, String) {
 /// from the cells (the cells' own invocations stay as they were).
 fn record_summary(dir: &Path) -> Result<()> {
     let path = dir.join("run.json");
-    let text = std::fs::read_to_string(&path).map_err(io(format!("reading {}", path.display())))?;
-    let mut meta: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| DriverError::Records(format!("{}: {e}", path.display())))?;
+    let mut meta = crate::measure::read_json(&path)?;
     let entry = crate::measure::stamp();
     match meta["summaries"].as_array_mut() {
         Some(list) => list.push(entry),
